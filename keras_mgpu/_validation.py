@@ -1,0 +1,92 @@
+"""Argument checks shared by every public constructor.
+
+Each check raises at construction time with a message that names the
+argument, echoes the value and says what is allowed, in Keras's own style:
+"Argument `accumulation_steps` must be an integer >= 1. Received: ...".
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+
+
+def check_int(
+    value: object,
+    argument: str,
+    *,
+    minimum: int | None = None,
+    allow_none: bool = False,
+) -> int | None:
+    """Return `value` as an int, or raise naming `argument`.
+
+    Bools are rejected (they are ints in Python, but `True` steps is a bug).
+    Floats are rejected even when integral: `4.0` steps usually means a
+    computation went through float division by mistake.
+    """
+    if value is None and allow_none:
+        return None
+    allowed = "an integer" + (f" >= {minimum}" if minimum is not None else "")
+    if allow_none:
+        allowed += " or None"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"Argument `{argument}` must be {allowed}. "
+            f"Received: {argument}={value!r} (of type {type(value).__name__})"
+        )
+    if minimum is not None and value < minimum:
+        raise ValueError(
+            f"Argument `{argument}` must be {allowed}. "
+            f"Received: {argument}={value!r}"
+        )
+    return int(value)
+
+
+def check_number(
+    value: object,
+    argument: str,
+    *,
+    minimum: float | None = None,
+    exclusive_minimum: bool = False,
+    maximum: float | None = None,
+    allow_none: bool = False,
+) -> float | None:
+    """Return `value` as a float, or raise naming `argument`."""
+    if value is None and allow_none:
+        return None
+    bounds = []
+    if minimum is not None:
+        bounds.append(f"{'>' if exclusive_minimum else '>='} {minimum}")
+    if maximum is not None:
+        bounds.append(f"<= {maximum}")
+    allowed = "a number" + (f" {' and '.join(bounds)}" if bounds else "")
+    if allow_none:
+        allowed += " or None"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"Argument `{argument}` must be {allowed}. "
+            f"Received: {argument}={value!r} (of type {type(value).__name__})"
+        )
+    value = float(value)
+    too_small = minimum is not None and (
+        value <= minimum if exclusive_minimum else value < minimum
+    )
+    too_large = maximum is not None and value > maximum
+    if too_small or too_large or value != value:  # NaN fails every bound
+        raise ValueError(
+            f"Argument `{argument}` must be {allowed}. "
+            f"Received: {argument}={value!r}"
+        )
+    return value
+
+
+def check_choice(value: object, argument: str, choices: Iterable[str]) -> str:
+    """Return `value` if it is one of `choices`, or raise naming `argument`."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(
+            f"Argument `{argument}` must be one of "
+            f"{', '.join(repr(c) for c in choices)}. "
+            f"Received: {argument}={value!r}"
+        )
+    return value  # type: ignore[return-value]

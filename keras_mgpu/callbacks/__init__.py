@@ -1,0 +1,1 @@
+"""Keras callbacks: learning-rate warmup/scaling and resource monitors."""

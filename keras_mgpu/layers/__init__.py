@@ -1,0 +1,1 @@
+"""Layers: the recompute-gradient wrapper and its model-level helpers."""

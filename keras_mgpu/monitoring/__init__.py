@@ -1,0 +1,1 @@
+"""Samplers and backends for the monitors (NVML, TF memory info, psutil)."""

@@ -1,0 +1,1 @@
+"""Optimizer wrappers: gradient accumulation under any strategy."""

@@ -1,0 +1,166 @@
+"""Run test bodies in separate processes: multi-worker clusters and the like.
+
+`run_workers("module:function", num_workers=2)` starts that many real
+worker processes on 127.0.0.1, each with its own `TF_CONFIG` and free port,
+calls `function(task_index)` in each (the module is imported from `tests/`),
+and returns what each returned (JSON-serialisable). Every process is bounded
+by `timeout` seconds and is killed and reaped whatever happens, failure and
+KeyboardInterrupt included.
+
+`run_in_process("module:function", env=...)` does the same for one process
+(a fresh TensorFlow runtime: default cross-device ops, in-process clusters).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free TCP ports on 127.0.0.1."""
+    sockets, ports = [], []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in sockets:
+            s.close()
+    return ports
+
+
+class ProcessFailure(RuntimeError):
+    """A child process failed, timed out or returned nothing."""
+
+
+def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("TF_CONFIG", None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (TESTS_DIR, REPO_ROOT, env.get("PYTHONPATH")) if p
+    )
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["KERAS_MGPU_CHILD"] = "1"
+    if extra:
+        env.update(extra)
+    return env
+
+
+def _run_children(
+    target: str,
+    envs: list[dict[str, str]],
+    timeout: float,
+    args: tuple = (),
+) -> list[Any]:
+    workdir = tempfile.mkdtemp(prefix="keras_mgpu_proc_")
+    procs: list[subprocess.Popen] = []
+    logs = []
+    try:
+        for index, env in enumerate(envs):
+            result_path = os.path.join(workdir, f"result_{index}.json")
+            log = open(os.path.join(workdir, f"log_{index}.txt"), "w+")
+            logs.append(log)
+            spec = json.dumps(
+                {
+                    "target": target,
+                    "index": index,
+                    "args": list(args),
+                    "result_path": result_path,
+                }
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "_process_entry", spec],
+                    env=env,
+                    cwd=TESTS_DIR,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            remaining = max(deadline - time.monotonic(), 0.1)
+            try:
+                proc.wait(timeout=remaining)
+            except subprocess.TimeoutExpired as exc:
+                raise ProcessFailure(
+                    f"{target} did not finish within {timeout:.0f}s"
+                    + _tails(logs)
+                ) from exc
+        failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            raise ProcessFailure(
+                f"{target}: process(es) {failed} exited with "
+                f"{[procs[i].returncode for i in failed]}" + _tails(logs)
+            )
+        results = []
+        for index in range(len(envs)):
+            path = os.path.join(workdir, f"result_{index}.json")
+            if not os.path.exists(path):
+                raise ProcessFailure(
+                    f"{target}: process {index} wrote no result" + _tails(logs)
+                )
+            with open(path) as f:
+                results.append(json.load(f))
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+        for log in logs:
+            log.close()
+
+
+def _tails(logs) -> str:
+    out = []
+    for index, log in enumerate(logs):
+        log.flush()
+        log.seek(0)
+        text = log.read()[-3000:]
+        out.append(f"\n--- process {index} output (tail) ---\n{text}")
+    return "".join(out)
+
+
+def run_workers(
+    target: str,
+    num_workers: int = 2,
+    timeout: float = 180.0,
+    args: tuple = (),
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run `target` in `num_workers` MultiWorkerMirrored worker processes."""
+    ports = free_ports(num_workers)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    envs = []
+    for index in range(num_workers):
+        tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
+        envs.append(_child_env({**(env or {}), "TF_CONFIG": json.dumps(tf_config)}))
+    return _run_children(target, envs, timeout, args)
+
+
+def run_in_process(
+    target: str,
+    timeout: float = 180.0,
+    args: tuple = (),
+    env: dict[str, str] | None = None,
+) -> Any:
+    """Run `target(0, *args)` in one fresh Python process; return its result."""
+    return _run_children(target, [_child_env(env)], timeout, args)[0]
