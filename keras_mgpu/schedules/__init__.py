@@ -1,1 +1,7 @@
 """Learning-rate schedules and scaling rules."""
+
+from keras_mgpu.schedules.scaling import scaled_learning_rate
+from keras_mgpu.schedules.scaling import scaling_factor
+from keras_mgpu.schedules.warmup import Warmup
+
+__all__ = ["Warmup", "scaled_learning_rate", "scaling_factor"]

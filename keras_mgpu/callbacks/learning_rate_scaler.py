@@ -1,0 +1,171 @@
+"""Scales the learning rate with the global batch of the run (callback)."""
+
+from __future__ import annotations
+
+import logging
+from keras_mgpu._flavour import keras
+from keras_mgpu._validation import check_choice
+from keras_mgpu._validation import check_int
+from keras_mgpu.distribute import accumulation_steps_of
+from keras_mgpu.distribute import global_batch_size
+from keras_mgpu.distribute import num_replicas_in_sync
+from keras_mgpu.distribute import worker_info
+from keras_mgpu.schedules import _optimizer_lr
+from keras_mgpu.schedules.scaling import SCALING_RULES
+from keras_mgpu.schedules.scaling import scaling_factor
+
+logger = logging.getLogger("keras_mgpu")
+
+
+class LearningRateScaler(keras.callbacks.Callback):
+    """Multiplies the learning rate by the batch-size scaling rule, from the
+    strategy and accumulation actually in use.
+
+    At `on_train_begin` the callback derives the examples per update,
+    `per-replica batch x replicas in sync (all workers) x accumulation
+    steps` (`keras_mgpu.global_batch_size`, reading the model's strategy and
+    optimizer), and multiplies the optimizer's learning rate, whatever it is
+    (float, schedule, callable), by `global / base_batch_size` ("linear",
+    Goyal et al. 2017) or its square root ("sqrt"). It says what it did
+    once (logger `keras_mgpu`, and printed with `verbose=1`, on the chief).
+
+    The factor is applied in-graph in front of the learning rate; the
+    optimizer's own variable keeps the *base* rate, so checkpoints,
+    `BackupAndRestore` backups and `model.save` (the wrapper is taken off at
+    train end) hold the base rate, and resuming on a different number of
+    replicas rescales correctly instead of scaling twice.
+    `ReduceLROnPlateau` / `LearningRateScheduler` keep working: reading
+    `optimizer.learning_rate` gives the scaled rate, and an assigned value
+    is the scaled rate (the variable receives it divided by the factor).
+    Works through `LossScaleOptimizer` and `GradientAccumulationOptimizer`.
+
+    Keras's `fit` does not tell callbacks its batch size, so give either
+    `batch_size` (the batch passed to `fit`: the global batch of one step,
+    split across replicas) or `per_replica_batch_size`; a `batch_size` found
+    in the callback params is used when both are None.
+
+    Args:
+        base_batch_size: int >= 1, the batch the learning rate was tuned for.
+        batch_size: int >= 1 or None, the global batch of one step.
+        per_replica_batch_size: int >= 1 or None, the batch of one replica.
+        rule: "linear" (default) or "sqrt".
+        verbose: int, 1 (default) prints the scaling once; 0 only logs it.
+
+    Example:
+
+    ```python
+    strategy = tf.distribute.MirroredStrategy()
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, batch_size=64 * strategy.num_replicas_in_sync,
+              callbacks=[keras_mgpu.callbacks.LearningRateScaler(
+                  base_batch_size=256, per_replica_batch_size=64)])
+    ```
+    """
+
+    def __init__(
+        self,
+        base_batch_size: int,
+        batch_size: int | None = None,
+        per_replica_batch_size: int | None = None,
+        rule: str = "linear",
+        verbose: int = 1,
+    ) -> None:
+        super().__init__()
+        self.base_batch_size = check_int(
+            base_batch_size, "base_batch_size", minimum=1
+        )
+        self.batch_size = check_int(
+            batch_size, "batch_size", minimum=1, allow_none=True
+        )
+        self.per_replica_batch_size = check_int(
+            per_replica_batch_size,
+            "per_replica_batch_size",
+            minimum=1,
+            allow_none=True,
+        )
+        if batch_size is not None and per_replica_batch_size is not None:
+            raise ValueError(
+                "Pass at most one of `batch_size` and "
+                f"`per_replica_batch_size`. Received: batch_size={batch_size}"
+                f", per_replica_batch_size={per_replica_batch_size}"
+            )
+        self.rule = check_choice(rule, "rule", SCALING_RULES)
+        self.verbose = check_int(verbose, "verbose", minimum=0)
+        self.factor: float | None = None
+        self.global_batch_size: int | None = None
+        self._wrapper: _optimizer_lr.ScaleWrapper | None = None
+        self._reported: tuple | None = None
+
+    def _examples_per_update(self) -> int:
+        model = self.model
+        strategy = model.distribute_strategy
+        optimizer = model.optimizer
+        if self.per_replica_batch_size is not None:
+            return global_batch_size(
+                self.per_replica_batch_size, strategy, optimizer
+            )
+        batch = self.batch_size or (self.params or {}).get("batch_size")
+        if not batch:
+            raise ValueError(
+                "LearningRateScaler needs the batch size: `fit` does not "
+                "pass it to callbacks. Give `batch_size` (the batch passed "
+                "to `fit`) or `per_replica_batch_size`."
+            )
+        return int(batch) * accumulation_steps_of(optimizer)
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        examples = self._examples_per_update()
+        factor = scaling_factor(examples, self.base_batch_size, self.rule)
+        self.global_batch_size, self.factor = examples, factor
+        owner = _optimizer_lr.lr_owner(self.model.optimizer)
+        top = _optimizer_lr.get_lr_object(owner)
+        wrapper = self._wrapper
+        if wrapper is not None and any(
+            link is wrapper for link in _optimizer_lr.chain(owner)
+        ):
+            if wrapper.factor != factor:
+                # Still installed from a fit that did not end cleanly, and
+                # traced with the old factor (a Python constant): retrace.
+                wrapper.factor = factor
+                self.model.make_train_function(force=True)
+        elif (
+            wrapper is not None
+            and wrapper.owner is owner
+            and wrapper.inner is top
+            and wrapper.factor == factor
+        ):
+            _optimizer_lr.set_lr_object(owner, wrapper)
+        else:
+            self._wrapper = _optimizer_lr.ScaleWrapper(owner, top, factor)
+            _optimizer_lr.set_lr_object(owner, self._wrapper)
+        _optimizer_lr.activate(self.model)
+        self._report(examples, factor)
+
+    def _report(self, examples: int, factor: float) -> None:
+        report = (examples, factor, self.rule, self.base_batch_size)
+        if report == self._reported:
+            return
+        self._reported = report
+        strategy = self.model.distribute_strategy
+        message = (
+            f"LearningRateScaler: {examples} examples per update "
+            f"({num_replicas_in_sync(strategy)} replicas, "
+            f"{accumulation_steps_of(self.model.optimizer)} accumulation "
+            f"steps) vs. base batch {self.base_batch_size}: learning rate x "
+            f"{factor:g} ({self.rule} rule), now "
+            f"{_optimizer_lr.current_learning_rate(self.model.optimizer):g}."
+        )
+        logger.info(message)
+        if self.verbose and worker_info(strategy)["is_chief"]:
+            print(message)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if logs is not None:
+            logs["learning_rate"] = _optimizer_lr.current_learning_rate(
+                self.model.optimizer
+            )
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        _optimizer_lr.deactivate(self.model)

@@ -1,0 +1,507 @@
+"""The `keras-mgpu demo` training recipe: a small CNN on scikit-learn's 8x8
+digits under `MirroredStrategy`, with every keras_mgpu component on.
+
+Kept apart from the command line (`keras_mgpu.cli`) so that the recipe reads
+as one example of using the pack: gradient accumulation
+(`GradientAccumulationOptimizer`), linear learning-rate scaling and warmup
+(`LearningRateScaler`, `LearningRateWarmup`), both monitors
+(`MemoryMonitor`, `GPULoadMonitor`) and a recomputed block
+(`RecomputeGrad`), with a `CSVLogger` whose file `keras-mgpu report`
+turns into the same PNG report.
+
+Logical CPU devices must exist before TensorFlow initialises its runtime:
+call `configure_devices` first, before anything builds a tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Any, TextIO
+
+from keras_mgpu._flavour import keras
+from keras_mgpu._flavour import tf
+
+DEMO_EXTRA_HINT = 'pip install "keras-mgpu[demo]"'
+
+# The learning rate was tuned for Adam at this batch size; the scaler
+# multiplies it by global batch / BASE_BATCH_SIZE.
+BASE_LEARNING_RATE = 1e-3
+BASE_BATCH_SIZE = 32
+
+
+@dataclasses.dataclass
+class DemoConfig:
+    """Settings of one demo run (the `keras-mgpu demo` options)."""
+
+    output_dir: str
+    epochs: int = 10
+    batch_size: int = 32  # per replica, per micro-step
+    accumulation_steps: int = 2
+    accumulation: bool = True
+    warmup: bool = True
+    warmup_epochs: float = 2.0
+    scaling: bool = True
+    monitors: bool = True
+    recompute: bool = True
+    seed: int = 0
+    progress: bool = True
+
+
+def configure_devices(
+    num_devices: int | None = None, use_gpus: bool = True
+) -> dict[str, Any]:
+    """Pick the devices the demo trains on, before TensorFlow starts.
+
+    With GPUs visible (and `use_gpus`), the first `num_devices` GPUs (all by
+    default) are used, with memory growth on, so the memory figures show
+    what the model needs rather than TensorFlow's up-front reservation.
+    Otherwise the host CPU is split into `num_devices` (default 2) logical
+    devices, so `MirroredStrategy` has replicas to mirror across.
+
+    Returns a dict: `kind` ("GPU" or "CPU"), `devices` (logical device
+    names) and `gpu_names`.
+
+    Raises:
+        ValueError: more GPUs asked for than there are.
+        RuntimeError: TensorFlow's runtime is already initialised (a tensor
+            was built first), so devices can no longer be configured.
+    """
+    gpus = tf.config.list_physical_devices("GPU") if use_gpus else []
+    if gpus and num_devices is not None and num_devices > len(gpus):
+        raise ValueError(
+            f"--devices {num_devices} asks for more GPUs than the "
+            f"{len(gpus)} visible here. Use --devices {len(gpus)} or fewer, "
+            "or --cpu to split the CPU into logical devices instead."
+        )
+    try:
+        if gpus:
+            gpus = gpus[: num_devices or len(gpus)]
+            tf.config.set_visible_devices(gpus, "GPU")
+            for gpu in gpus:
+                tf.config.experimental.set_memory_growth(gpu, True)
+        else:
+            if tf.config.list_physical_devices("GPU"):
+                tf.config.set_visible_devices([], "GPU")
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            tf.config.set_logical_device_configuration(
+                cpu,
+                [tf.config.LogicalDeviceConfiguration()] * (num_devices or 2),
+            )
+    except RuntimeError as exc:
+        raise RuntimeError(
+            "TensorFlow was initialised before the demo could set up its "
+            "devices (logical CPU devices and GPU memory growth must be "
+            "configured first). Run the demo in a fresh process: "
+            "`keras-mgpu demo`."
+        ) from exc
+    kind = "GPU" if gpus else "CPU"
+    devices = [d.name for d in tf.config.list_logical_devices(kind)]
+    gpu_names = []
+    for gpu in gpus:
+        details = tf.config.experimental.get_device_details(gpu)
+        gpu_names.append(details.get("device_name", gpu.name))
+    return {"kind": kind, "devices": devices, "gpu_names": gpu_names}
+
+
+def load_digits_split(seed: int = 0) -> tuple:
+    """scikit-learn's 8x8 digits (1797 images, shipped with the package),
+    scaled to [0, 1], split 80/20 stratified: `(x_train, y_train, x_test,
+    y_test)`, images shaped (8, 8, 1)."""
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError as exc:
+        raise ImportError(
+            "The demo trains on scikit-learn's digits dataset. Install it "
+            f"with: {DEMO_EXTRA_HINT}"
+        ) from exc
+    digits = load_digits()
+    images = (digits.images / 16.0).astype("float32")[..., None]
+    labels = digits.target.astype("int32")
+    x_train, x_test, y_train, y_test = train_test_split(
+        images, labels, test_size=0.2, stratify=labels, random_state=seed
+    )
+    return x_train, y_train, x_test, y_test
+
+
+def build_model(recompute: bool = True) -> Any:
+    """A small CNN; its middle conv block is wrapped in `RecomputeGrad`.
+
+    The block's two 32-channel activations are recomputed in the backward
+    pass instead of being stored (on a model this small that saves little:
+    the point is showing the wrapper train correctly under the strategy).
+    """
+    from keras_mgpu.layers import RecomputeGrad
+
+    inputs = keras.Input((8, 8, 1), name="image")
+    x = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(inputs)
+    block = keras.Sequential(
+        [
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        ],
+        name="conv_block",
+    )
+    x = (RecomputeGrad(block, name="recompute_conv_block") if recompute
+         else block)(x)
+    x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dense(64, activation="relu")(x)
+    outputs = keras.layers.Dense(10, name="logits")(x)
+    return keras.Model(inputs, outputs, name="digits_cnn")
+
+
+class ProgressBar(keras.callbacks.Callback):
+    """One line per epoch, and a live bar over the whole run on a terminal.
+
+    Keras's own progress bar draws one bar per epoch with every log key on
+    it, which the monitors make too wide to read; this one shows loss,
+    accuracy, validation accuracy and learning rate.
+    """
+
+    def __init__(
+        self, epochs: int, steps_per_epoch: int, stream: TextIO | None = None
+    ) -> None:
+        super().__init__()
+        self.epochs = epochs
+        self.steps_per_epoch = steps_per_epoch
+        self.stream = stream or sys.stdout
+        self.live = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last_draw = 0.0
+        self._epoch = 0
+        self._epoch_start = 0.0
+
+    def _bar(self, done: float, width: int = 28) -> str:
+        filled = int(round(width * min(max(done, 0.0), 1.0)))
+        return "[" + "#" * filled + "-" * (width - filled) + "]"
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+        self._epoch_start = time.perf_counter()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        now = time.perf_counter()
+        if not self.live or now - self._last_draw < 0.1:
+            return
+        self._last_draw = now
+        logs = logs or {}
+        done = (self._epoch + (batch + 1) / self.steps_per_epoch) / (
+            self.epochs
+        )
+        self.stream.write(
+            f"\r{self._bar(done)} {100 * done:3.0f}%  epoch "
+            f"{self._epoch + 1}/{self.epochs}  loss "
+            f"{float(logs.get('loss', math.nan)):.4f}  accuracy "
+            f"{float(logs.get('accuracy', math.nan)):.4f}   "
+        )
+        self.stream.flush()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        logs = logs or {}
+        done = (epoch + 1) / self.epochs
+        line = (
+            f"{self._bar(done)} epoch {epoch + 1:>{len(str(self.epochs))}}/"
+            f"{self.epochs}  loss {logs.get('loss', math.nan):.4f}  "
+            f"accuracy {logs.get('accuracy', math.nan):.4f}  "
+            f"val_accuracy {logs.get('val_accuracy', math.nan):.4f}  "
+            f"lr {logs.get('learning_rate', math.nan):.2e}  "
+            f"{time.perf_counter() - self._epoch_start:.1f}s"
+        )
+        self.stream.write(("\r" if self.live else "") + line + "\n")
+        self.stream.flush()
+
+
+class _LogLearningRate(keras.callbacks.Callback):
+    """Logs `learning_rate` when neither LR callback does (both turned off),
+    so the report's learning-rate panel is never empty."""
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if logs is not None and "learning_rate" not in logs:
+            from keras_mgpu.schedules import _optimizer_lr
+
+            logs["learning_rate"] = _optimizer_lr.current_learning_rate(
+                self.model.optimizer
+            )
+
+
+def _peak_memory(history: dict, kind: str, devices: list) -> list:
+    """(device label, peak MB over the run, note) from the monitor's logs."""
+    rows = []
+
+    def peak(key: str) -> float:
+        values = [v for v in history.get(key, []) if math.isfinite(v)]
+        return max(values) if values else math.nan
+
+    if kind == "GPU":
+        for device in devices:
+            short = device.split("device:")[-1]  # "GPU:0"
+            kind_name, _, index = short.partition(":")
+            label = f"{kind_name.lower()}{index or 0}"  # the monitor's key
+            rows.append(
+                (short, peak(f"mem/{label}_peak_mb"), "TensorFlow allocator")
+            )
+    else:
+        # On CPU TensorFlow keeps one allocator for the process: every
+        # logical CPU device reports the same figure, so it is shown once.
+        rows.append(
+            (
+                f"CPU (shared by {len(devices)} logical devices)",
+                peak("mem/host_tf_peak_mb"),
+                "TensorFlow allocator peak, process-wide",
+            )
+        )
+    rows.append(("host process", peak("mem/host_rss_mb"), "resident (RSS)"))
+    return rows
+
+
+def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
+    """Train the demo model and write its CSV log, PNG report and summary.
+
+    Call `configure_devices` first (or pass its result as `device_info`).
+    Returns the summary dict that is also written to `summary.json`.
+    """
+    from keras_mgpu import GradientAccumulationOptimizer
+    from keras_mgpu import callbacks as mgpu_callbacks
+    from keras_mgpu.distribute import global_batch_size
+    from keras_mgpu.report import plot_training_report
+    from keras_mgpu.schedules import scaled_learning_rate
+
+    start = time.perf_counter()
+    if device_info is None:
+        device_info = {
+            "kind": "GPU" if tf.config.list_logical_devices("GPU") else "CPU",
+            "gpu_names": [],
+        }
+        device_info["devices"] = [
+            d.name for d in tf.config.list_logical_devices(device_info["kind"])
+        ]
+    os.makedirs(config.output_dir, exist_ok=True)
+    csv_path = os.path.join(config.output_dir, "history.csv")
+    png_path = os.path.join(config.output_dir, "report.png")
+    summary_path = os.path.join(config.output_dir, "summary.json")
+
+    keras.utils.set_random_seed(config.seed)
+    x_train, y_train, x_test, y_test = load_digits_split(config.seed)
+
+    strategy = tf.distribute.MirroredStrategy(devices=device_info["devices"])
+    replicas = strategy.num_replicas_in_sync
+    steps = config.accumulation_steps if config.accumulation else 1
+    step_batch = config.batch_size * replicas  # one micro-step, all replicas
+    steps_per_epoch = len(x_train) // step_batch
+    if steps_per_epoch < 1:
+        raise ValueError(
+            f"--batch-size {config.batch_size} x {replicas} replicas = "
+            f"{step_batch} is larger than the {len(x_train)} training "
+            "images: use a smaller --batch-size"
+        )
+    # Whole batches only: every micro-step gives each replica the same
+    # number of examples, and the train step is traced once.
+    train = (
+        tf.data.Dataset.from_tensor_slices((x_train, y_train))
+        .shuffle(len(x_train), seed=config.seed, reshuffle_each_iteration=True)
+        .batch(step_batch, drop_remainder=True)
+        .prefetch(2)
+    )
+    test = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(
+        step_batch
+    )
+
+    with strategy.scope():
+        model = build_model(recompute=config.recompute)
+        optimizer = keras.optimizers.Adam(BASE_LEARNING_RATE)
+        if config.accumulation:
+            optimizer = GradientAccumulationOptimizer(optimizer, steps)
+        model.compile(
+            optimizer=optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        examples_per_update = global_batch_size(
+            config.batch_size, strategy, accumulation_steps=steps
+        )
+
+    callbacks: list = []
+    if config.scaling:
+        # Listed before the warmup, so the warmup ramps to the scaled rate.
+        callbacks.append(
+            mgpu_callbacks.LearningRateScaler(
+                base_batch_size=BASE_BATCH_SIZE,
+                per_replica_batch_size=config.batch_size,
+                verbose=0,
+            )
+        )
+    if config.warmup:
+        callbacks.append(
+            mgpu_callbacks.LearningRateWarmup(
+                warmup_epochs=config.warmup_epochs
+            )
+        )
+    callbacks.append(_LogLearningRate())
+    if config.monitors:
+        callbacks.append(mgpu_callbacks.MemoryMonitor())
+        callbacks.append(mgpu_callbacks.GPULoadMonitor(interval=0.25))
+    if config.progress:
+        callbacks.append(ProgressBar(config.epochs, steps_per_epoch))
+    # Last: it writes the logs the callbacks above added.
+    callbacks.append(keras.callbacks.CSVLogger(csv_path))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_start = time.perf_counter()
+        history = model.fit(
+            train,
+            epochs=config.epochs,
+            validation_data=test,
+            callbacks=callbacks,
+            verbose=0,
+        )
+        train_seconds = time.perf_counter() - train_start
+    notes = []
+    for warning in caught:
+        if type(warning.message).__name__ == "MonitorWarning":
+            text = str(warning.message).split(". ")[0].rstrip(".") + "."
+            if text not in notes:
+                notes.append(text)
+
+    logs = history.history
+    final_accuracy = float(logs["val_accuracy"][-1])
+    scaled_lr = (
+        scaled_learning_rate(
+            BASE_LEARNING_RATE, examples_per_update, BASE_BATCH_SIZE
+        )
+        if config.scaling
+        else BASE_LEARNING_RATE
+    )
+    summary = {
+        "device_kind": device_info["kind"],
+        "devices": device_info["devices"],
+        "gpu_names": device_info.get("gpu_names", []),
+        "replicas": replicas,
+        "per_replica_batch_size": config.batch_size,
+        "accumulation_steps": steps,
+        "global_batch_size": examples_per_update,
+        "base_learning_rate": BASE_LEARNING_RATE,
+        "base_batch_size": BASE_BATCH_SIZE,
+        "learning_rate": scaled_lr,
+        "final_learning_rate": float(logs["learning_rate"][-1]),
+        "scaling": config.scaling,
+        "warmup_epochs": config.warmup_epochs if config.warmup else 0,
+        "recompute": config.recompute,
+        "monitors": config.monitors,
+        "epochs": config.epochs,
+        "updates": int(model.optimizer.iterations.numpy()),
+        "final_accuracy": final_accuracy,
+        "final_train_accuracy": float(logs["accuracy"][-1]),
+        "final_loss": float(logs["val_loss"][-1]),
+        "peak_memory": [
+            {"device": d, "peak_mb": None if math.isnan(p) else p, "what": w}
+            for d, p, w in _peak_memory(
+                logs, device_info["kind"], device_info["devices"]
+            )
+        ]
+        if config.monitors
+        else [],
+        "train_seconds": train_seconds,
+        "seed": config.seed,
+        "csv": os.path.abspath(csv_path),
+        "report": os.path.abspath(png_path),
+        "notes": notes,
+    }
+    plot_training_report(
+        csv_path,
+        png_path,
+        title=_report_title(summary),
+    )
+    summary["demo_seconds"] = time.perf_counter() - start
+    with open(summary_path, "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def _report_title(summary: dict) -> str:
+    parts = [
+        f"keras-mgpu demo: digits CNN, {summary['replicas']} x "
+        f"{summary['device_kind']} (MirroredStrategy)",
+        f"global batch {summary['global_batch_size']} = "
+        f"{summary['per_replica_batch_size']} x {summary['replicas']} x "
+        f"{summary['accumulation_steps']} accumulation",
+        f"final accuracy {summary['final_accuracy']:.3f}",
+    ]
+    return "  |  ".join(parts)
+
+
+def format_summary(summary: dict, total_seconds: float | None = None) -> str:
+    """The summary table the CLI prints after training."""
+    on_off = {True: "on", False: "off"}
+    if summary["device_kind"] == "GPU":
+        names = summary.get("gpu_names") or summary["devices"]
+        devices = f"{summary['replicas']} x GPU ({', '.join(sorted(set(names)))})"
+    else:
+        devices = f"{summary['replicas']} x logical CPU device"
+    lr = f"{summary['learning_rate']:.3g}"
+    if summary["scaling"]:
+        lr += (
+            f" (= {summary['base_learning_rate']:g} x "
+            f"{summary['global_batch_size']}/{summary['base_batch_size']},"
+            " linear rule)"
+        )
+    else:
+        lr += " (scaling off)"
+    warmup = (
+        f"{summary['warmup_epochs']:g} epochs, linear"
+        if summary["warmup_epochs"]
+        else "off"
+    )
+    rows = [
+        ("devices", devices + " under MirroredStrategy"),
+        (
+            "global batch",
+            f"{summary['global_batch_size']} = {summary['per_replica_batch_size']}"
+            f" per replica x {summary['replicas']} replicas x "
+            f"{summary['accumulation_steps']} accumulation steps",
+        ),
+        (
+            "accumulation",
+            f"{summary['accumulation_steps']} micro-steps per update"
+            if summary["accumulation_steps"] > 1
+            else "off",
+        ),
+        ("scaled learning rate", lr),
+        ("warmup", warmup),
+        ("recompute", on_off[summary["recompute"]] + " (conv_block)"),
+        (
+            "updates",
+            f"{summary['updates']} in {summary['epochs']} epochs",
+        ),
+        (
+            "final accuracy",
+            f"{summary['final_accuracy']:.4f} on {360} held-out digits "
+            f"(train {summary['final_train_accuracy']:.4f})",
+        ),
+    ]
+    if summary["peak_memory"]:
+        for index, row in enumerate(summary["peak_memory"]):
+            peak = row["peak_mb"]
+            value = "n/a" if peak is None else f"{peak:,.1f} MB"
+            rows.append(
+                (
+                    "peak memory" if index == 0 else "",
+                    f"{row['device']}: {value} ({row['what']})",
+                )
+            )
+    else:
+        rows.append(("peak memory", "monitors off"))
+    time_text = f"{summary['train_seconds']:.1f} s training"
+    if total_seconds is not None:
+        time_text += f", {total_seconds:.1f} s in all"
+    rows.append(("time", time_text))
+    width = max(len(name) for name, _ in rows)
+    lines = [f"  {name:<{width}}  {value}" for name, value in rows]
+    rule = "  " + "-" * (width + 2 + max(len(v) for _, v in rows))
+    return "\n".join([rule, *lines, rule])

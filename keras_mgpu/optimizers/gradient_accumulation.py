@@ -1,0 +1,555 @@
+"""Gradient accumulation as a Keras 3 optimizer wrapper, exact under
+`tf.distribute`."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from keras_mgpu._flavour import check_flavour
+from keras_mgpu._flavour import keras
+from keras_mgpu._flavour import register_serializable
+from keras_mgpu._flavour import tf
+from keras_mgpu._validation import check_int
+
+# Base-optimizer arguments the wrapper cannot honour itself: they belong on
+# the inner optimizer, which applies them once per real update.
+_INNER_ONLY_ARGUMENTS = (
+    "learning_rate",
+    "weight_decay",
+    "clipnorm",
+    "global_clipnorm",
+    "clipvalue",
+    "use_ema",
+    "ema_momentum",
+    "ema_overwrite_frequency",
+    "loss_scale_factor",
+    "gradient_accumulation_steps",
+)
+
+
+def _clip_like(optimizer: Any, grads: list) -> list:
+    """Clip `grads` with `optimizer`'s `clipnorm` / `global_clipnorm` /
+    `clipvalue` settings.
+
+    Uses `BaseOptimizer._clip_gradients` (private in Keras 3.10-3.15) so the
+    clipping maths is exactly Keras's own; only *when* it runs changes (on
+    the reduced mean gradient instead of each replica's partial one).
+    """
+    return optimizer._clip_gradients(grads)
+
+
+def _has_clipping(optimizer: Any) -> bool:
+    return bool(
+        optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue
+    )
+
+
+def _in_xla_context() -> bool:
+    """Whether the graph being traced is compiled with XLA (jit_compile).
+
+    Uses TensorFlow's private `control_flow_util` (TF 2.16-2.21): there is
+    no public way to ask this while tracing.
+    """
+    from tensorflow.python.ops import control_flow_util
+
+    return control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph()
+    )
+
+
+def _check_keras_limits() -> None:
+    """Raise clearly where Keras itself cannot run the combination.
+
+    Keras 3.15 fails `jit_compile=True` under `MirroredStrategy` on
+    non-GPU devices with "Trying to access resource ... located in device
+    ... from device ..." deep inside XLA; say so before that happens.
+    """
+    strategy = tf.distribute.get_strategy()
+    if not tf.distribute.has_strategy() or not _in_xla_context():
+        return
+    devices = getattr(strategy.extended, "worker_devices", ())
+    all_gpu = devices and all("GPU" in d.upper() for d in devices)
+    if strategy.num_replicas_in_sync > 1 and not all_gpu:
+        raise ValueError(
+            "jit_compile=True under MirroredStrategy on non-GPU devices "
+            f"({', '.join(devices)}) fails in Keras "
+            f"{keras.version()} itself (XLA reads a resource on another "
+            "device), with or without GradientAccumulationOptimizer. "
+            "Compile the model with jit_compile=False."
+        )
+
+
+def _all_finite(tensors: list) -> tf.Tensor:
+    flags = [tf.reduce_all(tf.math.is_finite(t)) for t in tensors]
+    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+
+@register_serializable
+class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
+    """Accumulates gradients over `accumulation_steps` micro-batches, then
+    applies their mean with the inner optimizer.
+
+    After `K = accumulation_steps` calls to `apply` on `R` replicas, the model
+    variables equal those of one step of the inner optimizer on the
+    concatenation of the `K·R` micro-batches (mean loss), to float rounding.
+    That holds for every inner optimizer (SGD, momentum, Nesterov, Adam,
+    AdamW, RMSprop, Adafactor, Lion, ...) because the inner optimizer runs
+    exactly once per update, on the mean gradient: weight decay, EMA and
+    learning-rate schedules advance once per update, not per micro-batch.
+
+    **Counters.** `iterations` is the inner optimizer's update counter (what
+    schedules, EMA and `keras_mgpu` LR callbacks read). `micro_steps` counts
+    every call to `apply`; `pending_steps` is the number of micro-batches
+    accumulated in the current window (0 right after an update).
+
+    **Under `tf.distribute`.** Each replica adds its gradients to its own
+    accumulators (`ON_READ` variables with `SUM` aggregation, local to the
+    device: no communication). Once per window, the update decision is taken
+    in cross-replica context, and the inner optimizer's `apply` all-reduces
+    the accumulated mean gradient once. Gradient clipping (`clipnorm`,
+    `global_clipnorm`, `clipvalue` set on the inner optimizer) is applied to
+    the *reduced* mean gradient, as on one device (Keras 3.15 itself clips
+    each replica's partial gradient under `MirroredStrategy`); that costs one
+    extra all-reduce per update. Before an update, the wrapper checks that
+    the reduced mean gradient is finite; if not, the whole window is
+    skipped identically on every replica (`skipped_updates` counts them) and
+    the accumulators restart from zero. That makes mixed precision
+    (`LossScaleOptimizer`, which `compile` adds around this wrapper) safe
+    under `MirroredStrategy`, where Keras decides "finite?" per replica.
+
+    **State.** Accumulators and counters are optimizer variables, so
+    `tf.train.Checkpoint`, `.keras` files and `BackupAndRestore` resume in
+    the middle of an accumulation window. The accumulators are saved as the
+    sum over replicas; restored, each replica holds an equal share, which
+    gives the same update (even on a different number of replicas).
+
+    **Sparse gradients** (`tf.IndexedSlices`, e.g. from `Embedding`) are
+    added into dense accumulators; the inner optimizer then receives a dense
+    mean gradient, which Keras 3 optimizers treat identically.
+
+    **Non-trainable weights** (e.g. `BatchNormalization` moving statistics)
+    are not touched by optimizers: they keep updating on every micro-batch's
+    forward pass, as with any Keras model. Their values after a window
+    therefore differ from one large-batch step (K momentum updates with
+    micro-batch statistics instead of one with large-batch statistics).
+
+    Args:
+        inner_optimizer: A Keras 3 `keras.optimizers.Optimizer` that applies
+            the accumulated gradients. Its `learning_rate`, weight decay,
+            clipping and EMA settings are used once per update.
+        accumulation_steps: int >= 1. Micro-batches per update.
+        name: Optional name; defaults to a name derived from the class.
+
+    Example:
+
+    ```python
+    import keras
+    import keras_mgpu
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(
+        optimizer=keras_mgpu.GradientAccumulationOptimizer(
+            keras.optimizers.Adam(1e-3), accumulation_steps=4
+        ),
+        loss="mse",
+    )
+    ```
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        accumulation_steps: int,
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        for argument in _INNER_ONLY_ARGUMENTS:
+            if argument in kwargs:
+                raise ValueError(
+                    f"GradientAccumulationOptimizer does not take "
+                    f"`{argument}`. Received: {argument}="
+                    f"{kwargs[argument]!r}. Set `{argument}` on the "
+                    "`inner_optimizer` instead."
+                )
+        if kwargs:
+            raise TypeError(
+                "GradientAccumulationOptimizer got unexpected arguments: "
+                f"{', '.join(sorted(kwargs))}."
+            )
+        accumulation_steps = check_int(
+            accumulation_steps, "accumulation_steps", minimum=1
+        )
+        self._check_inner(inner_optimizer)
+        super().__init__(learning_rate=0.0, name=name)
+        self.inner_optimizer = inner_optimizer
+        self.accumulation_steps = accumulation_steps
+        # Loss scaling belongs to the outermost optimizer, as with
+        # LossScaleOptimizer: take the inner's factor over so gradients are
+        # unscaled once, before they are accumulated.
+        self.loss_scale_factor = inner_optimizer.loss_scale_factor
+        inner_optimizer.loss_scale_factor = None
+
+    @staticmethod
+    def _check_inner(inner_optimizer: Any) -> None:
+        check_flavour(inner_optimizer, "inner_optimizer")
+        if isinstance(inner_optimizer, GradientAccumulationOptimizer):
+            raise ValueError(
+                "Argument `inner_optimizer` is already a "
+                "GradientAccumulationOptimizer (accumulation_steps="
+                f"{inner_optimizer.accumulation_steps}). Wrapping twice "
+                "would accumulate twice: use a single wrapper with "
+                "accumulation_steps set to the product."
+            )
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                "Argument `inner_optimizer` must be a Keras 3 "
+                "`keras.optimizers.Optimizer` instance. Received: "
+                f"inner_optimizer={inner_optimizer!r} (of type "
+                f"{type(inner_optimizer).__name__})"
+            )
+        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "Argument `inner_optimizer` is a LossScaleOptimizer. Put "
+                "loss scaling outside: LossScaleOptimizer("
+                "GradientAccumulationOptimizer(inner, accumulation_steps)). "
+                "`model.compile` does that for you under the "
+                "'mixed_float16' policy."
+            )
+        builtin = inner_optimizer.gradient_accumulation_steps
+        if builtin:
+            raise ValueError(
+                "Argument `inner_optimizer` has its own "
+                f"gradient_accumulation_steps={builtin}. Use only the "
+                "wrapper: create the inner optimizer without "
+                "`gradient_accumulation_steps` and pass "
+                f"accumulation_steps={builtin} to "
+                "GradientAccumulationOptimizer."
+            )
+
+    # ------------------------------------------------------------------
+    # State
+    # ------------------------------------------------------------------
+    def build(self, var_list: list) -> None:
+        if self.built:
+            return
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+        # The wrapper's own `_iterations` counts micro-steps.
+        self._pending_steps = self.add_variable(
+            shape=(),
+            dtype="int64",
+            aggregation="only_first_replica",
+            name="pending_steps",
+        )
+        self._skipped_updates = self.add_variable(
+            shape=(),
+            dtype="int64",
+            aggregation="only_first_replica",
+            name="skipped_updates",
+        )
+        self._accumulators = [
+            self._add_accumulator(variable) for variable in var_list
+        ]
+        # Under CentralStorageStrategy (and parameter servers) an `ON_READ`
+        # variable is one `AggregatingVariable` on the parameter device:
+        # replicas' writes are summed into it, so every replica reads the
+        # global sum instead of its own part.
+        self._accumulators_are_shared = bool(var_list) and not isinstance(
+            self._accumulators[0].value, tf.distribute.DistributedValues
+        )
+
+    def _add_accumulator(self, reference: Any) -> Any:
+        """One replica-local accumulator shaped like `reference`.
+
+        `ON_READ` + `SUM`: writes in replica context stay on the replica's
+        device; a read in cross-replica context (saving) sums the replicas,
+        and a restore splits the sum evenly, so the total is preserved.
+        """
+        colocate = getattr(reference, "value", reference)
+        name = reference.path.replace("/", "_") + "_accumulator"
+        with self._distribution_strategy.extended.colocate_vars_with(
+            colocate
+        ):
+            with keras.name_scope(self.name, caller=self):
+                variable = keras.Variable(
+                    initializer="zeros",
+                    shape=reference.shape,
+                    dtype=reference.dtype,
+                    trainable=False,
+                    aggregation="sum",
+                    synchronization="on_read",
+                    name=name,
+                )
+        self._track_variable(variable)
+        return variable
+
+    @property
+    def variables(self) -> list:
+        return self._variables + self.inner_optimizer.variables
+
+    @property
+    def iterations(self) -> Any:
+        """Number of real updates (the inner optimizer's counter)."""
+        return self.inner_optimizer.iterations
+
+    @property
+    def micro_steps(self) -> Any:
+        """Number of `apply` calls (micro-batches) so far."""
+        return self._iterations
+
+    @property
+    def pending_steps(self) -> Any:
+        """Micro-batches accumulated in the current, unfinished window."""
+        return self._pending_steps
+
+    @property
+    def skipped_updates(self) -> Any:
+        """Windows dropped because the mean gradient was not finite."""
+        return self._skipped_updates
+
+    @property
+    def accumulators(self) -> list:
+        """The accumulator variables, one per trainable variable."""
+        return list(self._accumulators)
+
+    @property
+    def learning_rate(self) -> Any:
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate: Any) -> None:
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def _get_current_learning_rate(self) -> Any:
+        return self.inner_optimizer._get_current_learning_rate()
+
+    def finalize_variable_values(self, var_list: list) -> None:
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise NotImplementedError(
+            "GradientAccumulationOptimizer supports the TensorFlow backend "
+            "only, which has no stateless_apply."
+        )
+
+    # ------------------------------------------------------------------
+    # Applying gradients
+    # ------------------------------------------------------------------
+    def apply(self, grads: list, trainable_variables: list | None = None):
+        grads = list(grads)
+        if not grads:
+            return
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "When passing `grads` without `trainable_variables`, "
+                    "the optimizer must already be built. Call "
+                    "`optimizer.build(trainable_variables)` first."
+                )
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        self._check_variables_are_known(trainable_variables)
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError(
+                "GradientAccumulationOptimizer.apply() must be called in a "
+                "replica context (inside `strategy.run` or `model.fit`)."
+            )
+        _check_keras_limits()
+        # A variable with no gradient (None, known while tracing) gets none
+        # from the wrapper either: the inner optimizer then skips it
+        # (and warns), exactly as without accumulation. A zero gradient
+        # would not be the same (weight decay, momentum).
+        missing = [v.path for g, v in zip(grads, trainable_variables) if g is None]
+        if missing:
+            warnings.warn(
+                f"Gradients do not exist for variables {missing} when "
+                "minimizing the loss; GradientAccumulationOptimizer leaves "
+                "them unchanged."
+            )
+        trainable_variables = [
+            v for g, v in zip(grads, trainable_variables) if g is not None
+        ]
+        grads = [g for g in grads if g is not None]
+        if not grads:
+            self.inner_optimizer.apply(
+                [None] * len(self._trainable_variables),
+                self._trainable_variables,
+            )
+            return
+        accumulators = [
+            self._accumulators[self._get_variable_index(v)]
+            for v in trainable_variables
+        ]
+        with keras.name_scope(self.name, caller=self):
+            self._accumulate(grads, accumulators)
+            replica_context = tf.distribute.get_replica_context()
+            if tf.__internal__.distribute.strategy_supports_no_merge_call():
+                # XLA on all-GPU MirroredStrategy, and no strategy at all:
+                # everything can stay in replica context.
+                self._step_in_replica_context(trainable_variables, accumulators)
+            else:
+                replica_context.merge_call(
+                    self._step_in_cross_replica_context,
+                    args=(trainable_variables, accumulators),
+                )
+
+    def _accumulate(self, grads: list, accumulators: list) -> None:
+        """Add this replica's gradients to its own accumulators (local)."""
+        scale = self.loss_scale_factor
+        for grad, accumulator in zip(grads, accumulators):
+            if grad is None:
+                continue
+            if isinstance(grad, tf.IndexedSlices):
+                grad = tf.convert_to_tensor(grad)
+            grad = tf.cast(grad, accumulator.dtype)
+            if scale is not None:
+                grad = grad / scale
+            # `tf.Variable.assign_add`, not `keras.Variable.assign_add`:
+            # Keras implements the latter as `assign(self + value)`, which
+            # an `AggregatingVariable` (CentralStorageStrategy) sums over
+            # replicas, old value included (Keras 3.15).
+            accumulator.value.assign_add(grad)
+
+    def _local_means(self, accumulators: list) -> list:
+        """This replica's share of the mean gradient (the shares sum to it)."""
+        divisor = self.accumulation_steps
+        if self._accumulators_are_shared:
+            context = tf.distribute.get_replica_context()
+            divisor *= context.num_replicas_in_sync
+        return [tf.convert_to_tensor(a.value) / divisor for a in accumulators]
+
+    def _decide_and_reduce(self, accumulators: list) -> tuple:
+        """Replica context: (finite?, gradients to hand to the inner).
+
+        Without clipping the inner optimizer receives each replica's local
+        mean and all-reduces it (one all-reduce per update); only a scalar
+        "non-finite" count crosses devices beforehand. With clipping the
+        mean is all-reduced here, clipped, and handed over divided by the
+        replica count, so the inner's own sum restores it (its own clipping
+        is then a no-op: each part's norm is below the threshold).
+        """
+        context = tf.distribute.get_replica_context()
+        local = self._local_means(accumulators)
+        if _has_clipping(self.inner_optimizer):
+            reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+            finite = _all_finite(reduced)
+            clipped = _clip_like(self.inner_optimizer, reduced)
+            replicas = context.num_replicas_in_sync
+            return finite, [g / replicas for g in clipped]
+        nonfinite = tf.cast(tf.logical_not(_all_finite(local)), tf.float32)
+        nonfinite = context.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
+        return tf.equal(nonfinite, 0.0), local
+
+    def _apply_to_inner(self, grads, trainable_variables, accumulators):
+        """Replica context: one inner update, then empty the accumulators."""
+        self.inner_optimizer.apply(grads, trainable_variables)
+        self._reset_accumulators(accumulators)
+
+    def _reset_accumulators(self, accumulators: list) -> None:
+        for accumulator in accumulators:
+            accumulator.assign(tf.zeros_like(accumulator.value))
+
+    def _step_in_replica_context(self, trainable_variables, accumulators):
+        self._iterations.assign_add(1)
+        self._pending_steps.assign_add(1)
+
+        def update():
+            finite, grads = self._decide_and_reduce(accumulators)
+
+            def skip():
+                self._skipped_updates.assign_add(1)
+                self._reset_accumulators(accumulators)
+
+            tf.cond(
+                finite,
+                lambda: self._apply_to_inner(
+                    grads, trainable_variables, accumulators
+                ),
+                skip,
+            )
+            self._pending_steps.assign(0)
+
+        tf.cond(
+            self._pending_steps >= self.accumulation_steps,
+            update,
+            lambda: None,
+        )
+
+    def _step_in_cross_replica_context(
+        self, distribution, trainable_variables, accumulators
+    ):
+        # The decision must be taken here, in cross-replica context:
+        # tf.distribute does not allow a `tf.cond` in replica context whose
+        # branch calls `merge_call`, which the inner optimizer's `apply`
+        # does (the same pattern as Keras's LossScaleOptimizer._tf_apply).
+        self._iterations.assign_add(1)
+        self._pending_steps.assign_add(1)
+        extended = distribution.extended
+
+        def update():
+            finite_per_replica, grads_per_replica = (
+                extended.call_for_each_replica(
+                    self._decide_and_reduce, args=(accumulators,)
+                )
+            )
+            # Every replica computed the same value from all-reduced inputs.
+            finite = distribution.experimental_local_results(
+                finite_per_replica
+            )[0]
+
+            def apply_update():
+                extended.call_for_each_replica(
+                    self._apply_to_inner,
+                    args=(grads_per_replica, trainable_variables, accumulators),
+                )
+
+            def skip_update():
+                self._skipped_updates.assign_add(1)
+                extended.call_for_each_replica(
+                    self._reset_accumulators, args=(accumulators,)
+                )
+
+            tf.cond(finite, apply_update, skip_update)
+            self._pending_steps.assign(0)
+
+        tf.cond(
+            self._pending_steps >= self.accumulation_steps,
+            update,
+            lambda: None,
+        )
+
+    def scale_loss(self, loss: Any) -> Any:
+        if self.loss_scale_factor is not None:
+            return loss * self.loss_scale_factor
+        return loss
+
+    # ------------------------------------------------------------------
+    # Serialization
+    # ------------------------------------------------------------------
+    def get_config(self) -> dict:
+        inner = self.inner_optimizer
+        # Hand back the loss scale factor to the inner optimizer's config,
+        # where it was given.
+        inner_config = keras.saving.serialize_keras_object(inner)
+        if self.loss_scale_factor is not None:
+            inner_config["config"]["loss_scale_factor"] = (
+                self.loss_scale_factor
+            )
+        return {
+            "name": self.name,
+            "inner_optimizer": inner_config,
+            "accumulation_steps": self.accumulation_steps,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)

@@ -1,0 +1,525 @@
+"""Gradient accumulation as a tf_keras optimizer wrapper, exact under
+`tf.distribute` (the `TF_USE_LEGACY_KERAS=1` flavour, for TFMOT users)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+from keras_mgpu._flavour import check_flavour
+from keras_mgpu._flavour import keras
+from keras_mgpu._flavour import register_serializable
+from keras_mgpu._flavour import tf
+from keras_mgpu._validation import check_int
+
+# Base-optimizer arguments the wrapper cannot honour itself: they belong on
+# the inner optimizer, which applies them once per real update.
+_INNER_ONLY_ARGUMENTS = (
+    "learning_rate",
+    "weight_decay",
+    "clipnorm",
+    "global_clipnorm",
+    "clipvalue",
+    "use_ema",
+    "ema_momentum",
+    "ema_overwrite_frequency",
+    "jit_compile",
+    "mesh",
+)
+
+
+class _CallableList(list):
+    """A list that can also be called, like tf_keras's `optimizer.variables`
+    (which is both a property and, for old callers, a method)."""
+
+    def __call__(self) -> list:
+        return self
+
+
+def _all_finite(tensors: list) -> tf.Tensor:
+    flags = [tf.reduce_all(tf.math.is_finite(t)) for t in tensors]
+    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+
+def _true_dtype(variable: Any) -> tf.DType:
+    # Under a mixed precision policy, model variables report their compute
+    # ("cast") dtype; accumulators keep the variable's storage dtype.
+    return getattr(variable, "true_dtype", variable.dtype)
+
+
+@register_serializable
+class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
+    """Accumulates gradients over `accumulation_steps` micro-batches, then
+    applies their mean with the inner optimizer (tf_keras flavour).
+
+    This is the tf_keras (`TF_USE_LEGACY_KERAS=1`) build of
+    `keras_mgpu.optimizers.GradientAccumulationOptimizer`, with the same
+    public contract; `keras_mgpu` picks it when the tf_keras flavour is on.
+
+    After `K = accumulation_steps` calls to `apply_gradients` on `R`
+    replicas, the model variables equal those of one step of the inner
+    optimizer on the concatenation of the `K·R` micro-batches (mean loss), to
+    float rounding. That holds for every inner optimizer (SGD, momentum,
+    Adam, AdamW, RMSprop, ...) because the inner optimizer runs exactly once
+    per update, on the mean gradient: weight decay, clipping, EMA and
+    learning-rate schedules act once per update, not per micro-batch.
+
+    **Counters.** `iterations` is the inner optimizer's update counter (what
+    schedules, EMA and `keras_mgpu` LR callbacks read). `micro_steps` counts
+    every call to `apply_gradients`; `pending_steps` is the number of
+    micro-batches accumulated in the current window (0 right after an
+    update). Under `mixed_float16`, tf_keras's `LossScaleOptimizer` drops a
+    micro-batch whose gradients overflow before it reaches this wrapper, and
+    advances `iterations` by one, as it does for any optimizer.
+
+    **Under `tf.distribute`.** Each replica adds its gradients to its own
+    accumulators (`ON_READ` variables with `SUM` aggregation, local to the
+    device: no communication). Once per window, the update decision is taken
+    in cross-replica context and the inner optimizer's `apply_gradients`
+    all-reduces the accumulated mean gradient once; tf_keras clips after that
+    all-reduce, so clipping acts on the reduced mean gradient, as on one
+    device. Before an update, the wrapper checks that the mean gradient is
+    finite on every replica; if not, the whole window is skipped identically
+    everywhere (`skipped_updates` counts them) and the accumulators restart
+    from zero. Works under the default strategy, `OneDeviceStrategy`,
+    `MirroredStrategy`, `MultiWorkerMirroredStrategy` and
+    `ParameterServerStrategy` (`model.fit` with a `DatasetCreator`). Under
+    `ParameterServerStrategy` the accumulators live on the parameter servers
+    and are shared by the workers: with one worker the equivalence above is
+    exact; with several, workers step asynchronously (as in any
+    parameter-server training) and a window holds the first `K`
+    micro-batches that arrive.
+
+    **State.** Accumulators and counters are optimizer variables, so
+    `tf.train.Checkpoint`, `.keras` files and `BackupAndRestore` resume in
+    the middle of an accumulation window. The accumulators are saved as the
+    sum over replicas; restored, each replica holds an equal share, which
+    gives the same update (even on a different number of replicas).
+
+    **Sparse gradients** (`tf.IndexedSlices`, e.g. from `Embedding`) are
+    added into dense accumulators. **Non-trainable weights** (e.g.
+    `BatchNormalization` statistics) keep updating on every micro-batch's
+    forward pass, as with any Keras model.
+
+    Args:
+        inner_optimizer: A tf_keras `tf_keras.optimizers.Optimizer` (not a
+            `tf_keras.optimizers.legacy` one) that applies the accumulated
+            gradients. Its learning rate, weight decay, clipping and EMA
+            settings are used once per update.
+        accumulation_steps: int >= 1. Micro-batches per update.
+        name: Optional name. Defaults to "GradientAccumulationOptimizer".
+
+    Example:
+
+    ```python
+    import os
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    import tf_keras
+    from keras_mgpu.optimizers import GradientAccumulationOptimizer
+
+    model = tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(4,))])
+    model.compile(
+        optimizer=GradientAccumulationOptimizer(
+            tf_keras.optimizers.Adam(1e-3), accumulation_steps=4
+        ),
+        loss="mse",
+    )
+    ```
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        accumulation_steps: int,
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Written by get_config so tf_keras's deserializer picks the new
+        # optimizer classes; meaningless here.
+        kwargs.pop("is_legacy_optimizer", None)
+        for argument in _INNER_ONLY_ARGUMENTS:
+            if argument in kwargs:
+                raise ValueError(
+                    f"GradientAccumulationOptimizer does not take "
+                    f"`{argument}`. Received: {argument}="
+                    f"{kwargs[argument]!r}. Set `{argument}` on the "
+                    "`inner_optimizer` instead."
+                )
+        if kwargs:
+            raise TypeError(
+                "GradientAccumulationOptimizer got unexpected arguments: "
+                f"{', '.join(sorted(kwargs))}."
+            )
+        accumulation_steps = check_int(
+            accumulation_steps, "accumulation_steps", minimum=1
+        )
+        self._check_inner(inner_optimizer)
+        super().__init__(
+            name=name or "GradientAccumulationOptimizer", jit_compile=False
+        )
+        self.inner_optimizer = inner_optimizer
+        self.accumulation_steps = accumulation_steps
+        self._accumulators: list = []
+
+    @staticmethod
+    def _check_inner(inner_optimizer: Any) -> None:
+        check_flavour(inner_optimizer, "inner_optimizer")
+        if isinstance(inner_optimizer, GradientAccumulationOptimizer):
+            raise ValueError(
+                "Argument `inner_optimizer` is already a "
+                "GradientAccumulationOptimizer (accumulation_steps="
+                f"{inner_optimizer.accumulation_steps}). Wrapping twice "
+                "would accumulate twice: use a single wrapper with "
+                "accumulation_steps set to the product."
+            )
+        lso = keras.mixed_precision.LossScaleOptimizer
+        if isinstance(inner_optimizer, lso):
+            raise ValueError(
+                "Argument `inner_optimizer` is a LossScaleOptimizer. Put "
+                "loss scaling outside: LossScaleOptimizer("
+                "GradientAccumulationOptimizer(inner, accumulation_steps)). "
+                "`model.compile` does that for you under the "
+                "'mixed_float16' policy."
+            )
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                "Argument `inner_optimizer` must be a tf_keras "
+                "`tf_keras.optimizers.Optimizer` instance (e.g. "
+                "`tf_keras.optimizers.SGD`, not a "
+                "`tf_keras.optimizers.legacy` optimizer). Received: "
+                f"inner_optimizer={inner_optimizer!r} (of type "
+                f"{type(inner_optimizer).__name__})"
+            )
+
+    # ------------------------------------------------------------------
+    # State
+    # ------------------------------------------------------------------
+    def build(self, var_list: list) -> None:
+        if getattr(self, "_built", False):
+            return
+        var_list = list(var_list)
+        super().build(var_list)
+        self.inner_optimizer.build(var_list)
+        # The wrapper's own `_iterations` (created by the base class) counts
+        # micro-steps; these two count within and across windows.
+        self._pending_steps = self.add_variable(
+            shape=(), dtype=tf.int64, name="pending_steps"
+        )
+        self._skipped_updates = self.add_variable(
+            shape=(), dtype=tf.int64, name="skipped_updates"
+        )
+        self._accumulators = [
+            self._add_accumulator(variable) for variable in var_list
+        ]
+        self._built = True
+
+    def _add_accumulator(self, reference: Any) -> tf.Variable:
+        """One replica-local accumulator shaped like `reference`.
+
+        `ON_READ` + `SUM`: writes in replica context stay on the replica's
+        device; a read in cross-replica context (saving) sums the replicas,
+        and a restore splits the sum evenly, so the total is preserved.
+        `CentralStorageStrategy` and `ParameterServerStrategy` make it one
+        variable next to `reference` instead, to which every replica's
+        `assign_add` is summed.
+        """
+        strategy = tf.distribute.get_strategy()
+        name = reference.name.split(":")[0].replace("/", "_")
+        with strategy.extended.colocate_vars_with(reference):
+            variable = tf.Variable(
+                tf.zeros(reference.shape, dtype=_true_dtype(reference)),
+                name=f"accumulator/{name}",
+                trainable=False,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.SUM,
+            )
+        self._variables.append(variable)
+        return variable
+
+    @property
+    def variables(self) -> list:
+        """The wrapper's variables, then the inner optimizer's."""
+        return _CallableList(
+            list(self._variables) + list(self.inner_optimizer.variables)
+        )
+
+    @property
+    def iterations(self) -> tf.Variable:
+        """Number of real updates (the inner optimizer's counter)."""
+        return self.inner_optimizer.iterations
+
+    @iterations.setter
+    def iterations(self, variable: tf.Variable) -> None:
+        self.inner_optimizer.iterations = variable
+
+    @property
+    def micro_steps(self) -> tf.Variable:
+        """Number of `apply_gradients` calls (micro-batches) so far."""
+        return self._iterations
+
+    @property
+    def pending_steps(self) -> tf.Variable:
+        """Micro-batches accumulated in the current, unfinished window."""
+        return self._pending_steps
+
+    @property
+    def skipped_updates(self) -> tf.Variable:
+        """Windows dropped because the mean gradient was not finite."""
+        return self._skipped_updates
+
+    @property
+    def accumulators(self) -> list:
+        """The accumulator variables, one per trainable variable."""
+        return list(self._accumulators)
+
+    @property
+    def learning_rate(self) -> Any:
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate: Any) -> None:
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def finalize_variable_values(self, var_list: list) -> None:
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def load_own_variables(self, store: Any) -> None:
+        """Load the state saved in a `.keras` file.
+
+        As tf_keras's own, but reads each array first: assigning to an
+        `ON_READ` accumulator in cross-replica context divides the value by
+        the replica count, which an h5py dataset does not support.
+        """
+        variables = self.variables
+        if len(store.keys()) != len(variables):
+            warnings.warn(
+                f"Skipping variable loading for optimizer '{self.name}': "
+                f"it has {len(variables)} variables whereas the saved "
+                f"optimizer has {len(store.keys())}.",
+                stacklevel=2,
+            )
+            return
+        for index, variable in enumerate(variables):
+            variable.assign(np.asarray(store[str(index)]))
+
+    # ------------------------------------------------------------------
+    # Applying gradients
+    # ------------------------------------------------------------------
+    def apply_gradients(
+        self,
+        grads_and_vars,
+        name: str | None = None,
+        skip_gradients_aggregation: bool = False,
+        **kwargs: Any,
+    ) -> tf.Variable:
+        """Add one micro-batch's gradients; update once per window.
+
+        `skip_gradients_aggregation=True` means the gradients are already
+        summed over replicas (tf_keras's `LossScaleOptimizer` passes them
+        so); they are then accumulated as each replica's share of the sum.
+        """
+        aggregate = kwargs.pop("experimental_aggregate_gradients", True)
+        if kwargs:
+            raise TypeError(
+                "apply_gradients() got unexpected arguments: "
+                f"{', '.join(sorted(kwargs))}."
+            )
+        pre_reduced = skip_gradients_aggregation or not aggregate
+        pairs = [(g, v) for g, v in grads_and_vars]
+        if not pairs:
+            return self.iterations
+        variables = [v for _, v in pairs]
+        with tf.init_scope():
+            # Lift variable creation out of any tf.function, as tf_keras
+            # optimizers do.
+            self.build(variables)
+        pairs = [(g, v) for g, v in pairs if g is not None]
+        if not pairs:
+            raise ValueError(
+                "No gradients provided for any variable: "
+                f"{[v.name for v in variables]}."
+            )
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError(
+                "GradientAccumulationOptimizer.apply_gradients() must be "
+                "called in a replica context (inside `strategy.run` or "
+                "`model.fit`)."
+            )
+        grads = [g for g, _ in pairs]
+        variables = [v for _, v in pairs]
+        accumulators = []
+        for variable in variables:
+            index = self._index_dict.get(self._var_key(variable))
+            if index is None:
+                raise ValueError(
+                    f"Variable {variable.name} is not among the variables "
+                    "this optimizer was built with. Build it with every "
+                    "variable it will update (`model.compile` and "
+                    "`model.fit` do that)."
+                )
+            accumulators.append(self._accumulators[index])
+        with tf.name_scope(name or self.name):
+            self._accumulate(grads, accumulators, pre_reduced)
+            if tf.__internal__.distribute.strategy_supports_no_merge_call():
+                # No strategy, or one that never needs a merge_call.
+                self._step_in_replica_context(variables, accumulators)
+            else:
+                # By closure, not `args`: merge_call would regroup them.
+                tf.distribute.get_replica_context().merge_call(
+                    lambda distribution: self._step_in_cross_replica_context(
+                        distribution, variables, accumulators
+                    )
+                )
+        return self.iterations
+
+    def _accumulate(
+        self, grads: list, accumulators: list, pre_reduced: bool
+    ) -> None:
+        """Add this replica's gradients to its own accumulators (local)."""
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        for grad, accumulator in zip(grads, accumulators):
+            if isinstance(grad, tf.IndexedSlices):
+                grad = tf.convert_to_tensor(grad)
+            grad = tf.cast(grad, accumulator.dtype)
+            if pre_reduced and replicas > 1:
+                # Keep "the sum over replicas is the global gradient sum".
+                grad = grad / replicas
+            accumulator.assign_add(grad)
+
+    def _decide(self, accumulators: list) -> tuple:
+        """Replica context: (finite everywhere?, this replica's share).
+
+        The shares sum, over replicas, to the mean gradient of the window;
+        the inner optimizer all-reduces them (SUM: Keras scaled the loss by
+        1/replicas) and clips the reduced result. Only a scalar crosses
+        devices here.
+        """
+        context = tf.distribute.get_replica_context()
+        replicas = context.num_replicas_in_sync
+        local = []
+        for accumulator in accumulators:
+            divisor = self.accumulation_steps
+            if not isinstance(accumulator, tf.distribute.DistributedValues):
+                # One variable shared by the replicas (CentralStorageStrategy
+                # and ParameterServerStrategy make the ON_READ variable an
+                # aggregating one): it holds the whole sum, and every replica
+                # hands over an equal part of it.
+                divisor *= replicas
+            local.append(tf.identity(accumulator.read_value()) / divisor)
+        nonfinite = tf.cast(tf.logical_not(_all_finite(local)), tf.float32)
+        nonfinite = context.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
+        return tf.equal(nonfinite, 0.0), local
+
+    def _apply_to_inner(self, grads, variables, accumulators) -> None:
+        """Replica context: one inner update, then empty the accumulators."""
+        self.inner_optimizer.apply_gradients(zip(grads, variables))
+        self._reset(accumulators)
+
+    @staticmethod
+    def _reset(accumulators: list) -> None:
+        for accumulator in accumulators:
+            accumulator.assign(tf.zeros_like(accumulator.read_value()))
+
+    def _step_in_replica_context(self, variables, accumulators) -> None:
+        self._iterations.assign_add(1)
+        self._pending_steps.assign_add(1)
+
+        def update():
+            finite, grads = self._decide(accumulators)
+
+            def skip():
+                self._skipped_updates.assign_add(1)
+                self._reset(accumulators)
+
+            tf.cond(
+                finite,
+                lambda: self._apply_to_inner(grads, variables, accumulators),
+                skip,
+            )
+            self._pending_steps.assign(0)
+
+        tf.cond(
+            self._pending_steps >= self.accumulation_steps,
+            update,
+            lambda: None,
+        )
+
+    def _step_in_cross_replica_context(
+        self, distribution, variables, accumulators
+    ) -> None:
+        # The decision must be taken here, in cross-replica context:
+        # tf.distribute does not allow a `tf.cond` in replica context whose
+        # branch calls `merge_call`, which the inner optimizer's
+        # `apply_gradients` does (tf_keras's LossScaleOptimizer uses the same
+        # pattern). Model variables and accumulators reach the replica
+        # functions by closure: passed as arguments, `call_for_each_replica`
+        # would unwrap them to one device's component, and the inner
+        # optimizer needs the distributed variables.
+        self._iterations.assign_add(1)
+        self._pending_steps.assign_add(1)
+        extended = distribution.extended
+
+        def update():
+            finite_per_replica, grads_per_replica = (
+                extended.call_for_each_replica(
+                    lambda: self._decide(accumulators)
+                )
+            )
+            # Every replica computed the same flag from an all-reduce.
+            finite = distribution.experimental_local_results(
+                finite_per_replica
+            )[0]
+
+            def apply_update():
+                extended.call_for_each_replica(
+                    lambda grads: self._apply_to_inner(
+                        grads, variables, accumulators
+                    ),
+                    args=(grads_per_replica,),
+                )
+
+            def skip_update():
+                self._skipped_updates.assign_add(1)
+                extended.call_for_each_replica(
+                    lambda: self._reset(accumulators)
+                )
+
+            tf.cond(finite, apply_update, skip_update)
+            self._pending_steps.assign(0)
+
+        tf.cond(
+            self._pending_steps >= self.accumulation_steps,
+            update,
+            lambda: None,
+        )
+
+    # ------------------------------------------------------------------
+    # Serialization
+    # ------------------------------------------------------------------
+    def get_config(self) -> dict:
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.optimizers.serialize(
+                self.inner_optimizer
+            ),
+            "accumulation_steps": self.accumulation_steps,
+            # Tells tf_keras's `optimizers.deserialize` this is a new-style
+            # (v2.11+) optimizer.
+            "is_legacy_optimizer": False,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects=None):
+        config = dict(config)
+        config.pop("is_legacy_optimizer", None)
+        inner = config.pop("inner_optimizer")
+        if isinstance(inner, dict):
+            inner = keras.optimizers.deserialize(
+                inner,
+                custom_objects=custom_objects,
+                use_legacy_optimizer=False,
+            )
+        return cls(inner, **config)
+

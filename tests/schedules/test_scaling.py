@@ -1,0 +1,75 @@
+"""Scaling rules: closed form, global batch from strategy and accumulation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import keras_mgpu
+from keras_mgpu._flavour import keras
+from keras_mgpu.schedules import scaled_learning_rate
+from keras_mgpu.schedules import scaling_factor
+
+
+@pytest.mark.parametrize(
+    "rule, expected", [("linear", 0.1 * 4), ("sqrt", 0.1 * 2)]
+)
+def test_rules_closed_form(rule, expected):
+    assert scaled_learning_rate(0.1, 1024, 256, rule) == pytest.approx(
+        expected, rel=1e-12
+    )
+    assert scaling_factor(128, 256, rule) == pytest.approx(
+        0.5 if rule == "linear" else math.sqrt(0.5)
+    )
+
+
+def test_global_batch_from_strategy_and_accumulation(strategy):
+    with strategy.scope():
+        optimizer = keras_mgpu.GradientAccumulationOptimizer(
+            keras.optimizers.SGD(0.1), accumulation_steps=4
+        )
+        batch = keras_mgpu.global_batch_size(8, accumulation_steps=optimizer)
+    assert batch == 8 * strategy.num_replicas_in_sync * 4
+    lr = scaled_learning_rate(0.1, batch, base_batch_size=32)
+    assert lr == pytest.approx(0.1 * strategy.num_replicas_in_sync)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (
+            {"rule": "cubic"},
+            ValueError,
+            r"Argument `rule` must be one of 'linear', 'sqrt'\. "
+            r"Received: rule='cubic'",
+        ),
+        (
+            {"base_batch_size": 0},
+            ValueError,
+            r"`base_batch_size` must be an integer >= 1\. "
+            r"Received: base_batch_size=0",
+        ),
+        (
+            {"global_batch_size": 8.0},
+            TypeError,
+            r"`global_batch_size` must be an integer >= 1",
+        ),
+        (
+            {"base_learning_rate": -0.1},
+            ValueError,
+            r"`base_learning_rate` must be a number > 0\.0\. "
+            r"Received: base_learning_rate=-0\.1",
+        ),
+    ],
+)
+def test_bad_input(kwargs, error, match):
+    arguments = {
+        "base_learning_rate": 0.1,
+        "global_batch_size": 64,
+        "base_batch_size": 32,
+        "rule": "linear",
+        **kwargs,
+    }
+    with pytest.raises(error, match=match):
+        scaled_learning_rate(**arguments)
