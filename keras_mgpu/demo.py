@@ -24,8 +24,7 @@ import time
 import warnings
 from typing import Any, TextIO
 
-from keras_mgpu._flavour import keras
-from keras_mgpu._flavour import tf
+from keras_mgpu._flavour import keras, tf
 
 DEMO_EXTRA_HINT = 'pip install "keras-mgpu[demo]"'
 
@@ -148,8 +147,11 @@ def build_model(recompute: bool = True) -> Any:
         ],
         name="conv_block",
     )
-    x = (RecomputeGrad(block, name="recompute_conv_block") if recompute
-         else block)(x)
+    x = (
+        RecomputeGrad(block, name="recompute_conv_block")
+        if recompute
+        else block
+    )(x)
     x = keras.layers.MaxPooling2D()(x)
     x = keras.layers.Flatten()(x)
     x = keras.layers.Dense(64, activation="relu")(x)
@@ -215,6 +217,47 @@ class ProgressBar(keras.callbacks.Callback):
         )
         self.stream.write(("\r" if self.live else "") + line + "\n")
         self.stream.flush()
+
+
+class StepLogger(keras.callbacks.Callback):
+    """Writes the learning rate after every batch to a CSV file (columns
+    `epoch`, fractional with 1.0 at the end of the first epoch, `update`
+    and `learning_rate`), so the report draws the warmup ramp rather than
+    one point per epoch."""
+
+    def __init__(self, path: str, steps_per_epoch: int) -> None:
+        super().__init__()
+        self.path = path
+        self.steps_per_epoch = steps_per_epoch
+        self._rows: list = []
+        self._epoch = 0
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._rows = [(0.0, 0, self._learning_rate())]
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+
+    def _learning_rate(self) -> float:
+        from keras_mgpu.schedules import _optimizer_lr
+
+        return _optimizer_lr.current_learning_rate(self.model.optimizer)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._rows.append(
+            (
+                self._epoch + (batch + 1) / self.steps_per_epoch,
+                int(self.model.optimizer.iterations.numpy()),
+                self._learning_rate(),
+            )
+        )
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        # Rewritten each epoch, so an interrupted run still leaves a file.
+        with open(self.path, "w") as f:
+            f.write("epoch,update,learning_rate\n")
+            for fraction, update, lr in self._rows:
+                f.write(f"{fraction:.6g},{update},{lr!r}\n")
 
 
 class _LogLearningRate(keras.callbacks.Callback):
@@ -283,6 +326,7 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
         ]
     os.makedirs(config.output_dir, exist_ok=True)
     csv_path = os.path.join(config.output_dir, "history.csv")
+    steps_path = os.path.join(config.output_dir, "history_steps.csv")
     png_path = os.path.join(config.output_dir, "report.png")
     summary_path = os.path.join(config.output_dir, "summary.json")
 
@@ -343,6 +387,7 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
             )
         )
     callbacks.append(_LogLearningRate())
+    callbacks.append(StepLogger(steps_path, steps_per_epoch))
     if config.monitors:
         callbacks.append(mgpu_callbacks.MemoryMonitor())
         callbacks.append(mgpu_callbacks.GPULoadMonitor(interval=0.25))
@@ -410,13 +455,12 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
         "train_seconds": train_seconds,
         "seed": config.seed,
         "csv": os.path.abspath(csv_path),
+        "steps_csv": os.path.abspath(steps_path),
         "report": os.path.abspath(png_path),
         "notes": notes,
     }
     plot_training_report(
-        csv_path,
-        png_path,
-        title=_report_title(summary),
+        csv_path, png_path, steps=steps_path, title=_report_title(summary)
     )
     summary["demo_seconds"] = time.perf_counter() - start
     with open(summary_path, "w") as f:
@@ -441,7 +485,9 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
     on_off = {True: "on", False: "off"}
     if summary["device_kind"] == "GPU":
         names = summary.get("gpu_names") or summary["devices"]
-        devices = f"{summary['replicas']} x GPU ({', '.join(sorted(set(names)))})"
+        devices = (
+            f"{summary['replicas']} x GPU ({', '.join(sorted(set(names)))})"
+        )
     else:
         devices = f"{summary['replicas']} x logical CPU device"
     lr = f"{summary['learning_rate']:.3g}"

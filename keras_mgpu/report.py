@@ -19,15 +19,22 @@ from typing import Any
 
 PLOT_EXTRA_HINT = 'pip install "keras-mgpu[plot]"'
 
-# Panels of the report, in order, with the columns each one plots. A column
-# belongs to the first panel whose pattern matches its name.
+# Which panel a column goes to. keras_mgpu's monitors log keys
+# `<group>/<name>` (see keras_mgpu.monitoring.log_keys): the report keeps
+# the figures that read well on one axis (per-device peaks and the process
+# RSS in MB; mean utilisation and the busiest-minus-idlest spread in %) and
+# leaves out system-wide totals and per-core detail. Columns of other
+# origins are matched by name.
 _LOSS = re.compile(r"^(val_)?loss$")
-_ACCURACY = re.compile(r"^(val_)?([a-z_]*_)?acc(uracy)?$")
+_ACCURACY = re.compile(r"^(val_)?([a-z0-9_]*_)?acc(uracy)?$")
 _LEARNING_RATE = re.compile(r"^(learning_rate|lr)$")
-# The memory monitor's keys (e.g. "memory/peak_mb/CPU:0") and other common
-# spellings ("mem_peak_mb", "gpu_memory_used").
-_MEMORY = re.compile(r"(^|[/_])mem(ory)?([/_]|$)", re.IGNORECASE)
-_LOAD = re.compile(r"(^|[/_])(load|util(ization)?)([/_]|$)", re.IGNORECASE)
+_MONITOR_MEMORY = re.compile(r"^mem/(w\d+_)?[a-z0-9_]*(_peak_mb|_rss_mb)$")
+_MONITOR_LOAD = re.compile(
+    r"^(gpu|cpu)/(w\d+_)?([a-z]+\d+_)?util_(mean|spread)_pct$"
+)
+_MONITOR_GROUP = re.compile(r"^(mem|gpu|cpu)/")
+_OTHER_MEMORY = re.compile(r"mem(ory)?", re.IGNORECASE)
+_OTHER_LOAD = re.compile(r"(load|util)", re.IGNORECASE)
 
 
 class ReportError(ValueError):
@@ -45,6 +52,14 @@ def _require_matplotlib() -> Any:
             f"{PLOT_EXTRA_HINT}"
         ) from exc
     return Figure, FigureCanvasAgg
+
+
+def _integer_epochs(axes: list) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in axes:
+        if ax.lines:  # an empty panel keeps its blank axes
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _to_float(value: Any) -> float:
@@ -130,17 +145,30 @@ def classify_columns(names: list[str]) -> dict[str, list[str]]:
         "load": [],
     }
     for name in names:
-        for panel, pattern in (
-            ("loss", _LOSS),
-            ("accuracy", _ACCURACY),
-            ("learning_rate", _LEARNING_RATE),
-            ("memory", _MEMORY),
-            ("load", _LOAD),
-        ):
-            if pattern.search(name):
-                panels[panel].append(name)
-                break
+        if _LOSS.match(name):
+            panels["loss"].append(name)
+        elif _LEARNING_RATE.match(name):
+            panels["learning_rate"].append(name)
+        elif _MONITOR_GROUP.match(name):
+            if _MONITOR_MEMORY.match(name):
+                panels["memory"].append(name)
+            elif _MONITOR_LOAD.match(name):
+                panels["load"].append(name)
+        elif _ACCURACY.match(name):
+            panels["accuracy"].append(name)
+        elif _OTHER_MEMORY.search(name):
+            panels["memory"].append(name)
+        elif _OTHER_LOAD.search(name):
+            panels["load"].append(name)
     return panels
+
+
+def _unit_label(names: list[str], what: str) -> str:
+    if names and all(n.endswith("_mb") for n in names):
+        return f"{what} (MB)"
+    if names and all(n.endswith("_pct") for n in names):
+        return f"{what} (%)"
+    return f"{what} (as logged)"
 
 
 def _finite(values: list[float]) -> bool:
@@ -215,15 +243,18 @@ def plot_training_report(
     history_or_csv: Any,
     path: str | os.PathLike,
     *,
+    steps: Any = None,
     title: str | None = None,
 ) -> str:
     """Draw a one-page PNG report of a training run and return its path.
 
     Four panels, per epoch: loss and accuracy (train solid, validation
-    dashed; accuracy on a second axis), learning rate, memory (every memory
-    column the monitors logged, e.g. peak MB per device) and device load
-    (GPU utilisation, CPU load). A panel whose columns are absent says so.
-    Columns it does not know are ignored.
+    dashed; accuracy on a second axis), learning rate, memory (per-device
+    peaks and the process RSS the `MemoryMonitor` logged, or any column
+    named like memory) and device load (mean GPU or CPU utilisation and the
+    spread between devices from the `GPULoadMonitor`, or any column named
+    like load/util). A panel whose columns are absent says so. Columns it
+    does not know are ignored.
 
     Args:
         history_or_csv: a `keras.callbacks.History` (what `fit` returns), a
@@ -231,6 +262,10 @@ def plot_training_report(
             `keras.callbacks.CSVLogger` file.
         path: str or path-like, where to write the PNG. Parent folders are
             created.
+        steps: optional finer log of the learning rate, a dict or CSV path
+            with columns `epoch` (fractional: 1.0 is the end of the first
+            epoch) and `learning_rate`, e.g. one row per batch. Drawn as a
+            line in the learning-rate panel, so a warmup shows as a ramp.
         title: str, optional title of the page.
 
     Returns:
@@ -259,9 +294,10 @@ def plot_training_report(
     epochs = max(lengths)
     if "epoch" in columns and len(columns["epoch"]) == epochs:
         # CSVLogger counts from 0; people count epochs from 1.
-        x = [v + 1 if math.isfinite(v) else i + 1 for i, v in enumerate(
-            columns["epoch"]
-        )]
+        x = [
+            v + 1 if math.isfinite(v) else i + 1
+            for i, v in enumerate(columns["epoch"])
+        ]
     else:
         x = list(range(1, epochs + 1))
 
@@ -292,7 +328,21 @@ def plot_training_report(
     else:
         _empty(ax_loss, "no loss or accuracy column in this run")
 
-    if _plot_lines(ax_lr, x, columns, panels["learning_rate"]):
+    lr_drawn = _plot_lines(ax_lr, x, columns, panels["learning_rate"])
+    if steps is not None:
+        fine = _as_columns(steps)
+        if "epoch" in fine and _finite(fine.get("learning_rate", [])):
+            ax_lr.plot(
+                fine["epoch"],
+                fine["learning_rate"],
+                "-",
+                color="0.55",
+                linewidth=1,
+                label="learning_rate (per step)",
+                zorder=1,
+            )
+            lr_drawn += 1
+    if lr_drawn:
         ax_lr.set_ylabel("learning rate")
         ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
         ax_lr.legend(fontsize=8)
@@ -305,7 +355,7 @@ def plot_training_report(
     ax_lr.set_xlabel("epoch")
 
     if _plot_lines(ax_mem, x, columns, panels["memory"]):
-        ax_mem.set_ylabel("memory (as logged)")
+        ax_mem.set_ylabel(_unit_label(panels["memory"], "memory"))
         ax_mem.legend(fontsize=7)
     else:
         _empty(ax_mem, "no memory column\n(add keras_mgpu's MemoryMonitor)")
@@ -313,13 +363,14 @@ def plot_training_report(
     ax_mem.set_xlabel("epoch")
 
     if _plot_lines(ax_load, x, columns, panels["load"]):
-        ax_load.set_ylabel("load (as logged)")
+        ax_load.set_ylabel(_unit_label(panels["load"], "load"))
         ax_load.legend(fontsize=7)
     else:
         _empty(ax_load, "no load column\n(add keras_mgpu's GPULoadMonitor)")
     ax_load.set_title("Device load")
     ax_load.set_xlabel("epoch")
 
+    _integer_epochs([ax_loss, ax_lr, ax_mem, ax_load])
     if title:
         fig.suptitle(title)
     path = os.fspath(path)

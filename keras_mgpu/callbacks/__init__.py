@@ -1,6 +1,6 @@
 """Keras callbacks: learning-rate warmup/scaling and resource monitors."""
 
+from keras_mgpu.callbacks.gpu_load_monitor import GPULoadMonitor
 from keras_mgpu.callbacks.learning_rate_scaler import LearningRateScaler
 from keras_mgpu.callbacks.learning_rate_warmup import LearningRateWarmup
 from keras_mgpu.callbacks.memory_monitor import MemoryMonitor
-from keras_mgpu.callbacks.gpu_load_monitor import GPULoadMonitor

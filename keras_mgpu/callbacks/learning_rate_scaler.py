@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import logging
+
 from keras_mgpu._flavour import keras
-from keras_mgpu._validation import check_choice
-from keras_mgpu._validation import check_int
-from keras_mgpu.distribute import accumulation_steps_of
-from keras_mgpu.distribute import global_batch_size
-from keras_mgpu.distribute import num_replicas_in_sync
-from keras_mgpu.distribute import worker_info
+from keras_mgpu._validation import check_choice, check_int
+from keras_mgpu.distribute import (
+    accumulation_steps_of,
+    global_batch_size,
+    num_replicas_in_sync,
+    worker_info,
+)
 from keras_mgpu.schedules import _optimizer_lr
-from keras_mgpu.schedules.scaling import SCALING_RULES
-from keras_mgpu.schedules.scaling import scaling_factor
+from keras_mgpu.schedules.scaling import SCALING_RULES, scaling_factor
 
 logger = logging.getLogger("keras_mgpu")
 
@@ -163,8 +164,11 @@ class LearningRateScaler(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs is not None:
-            logs["learning_rate"] = _optimizer_lr.current_learning_rate(
-                self.model.optimizer
+            # Keras's own LR callbacks may have logged it already (before
+            # their change of the epoch): keep theirs, never log it twice.
+            logs.setdefault(
+                "learning_rate",
+                _optimizer_lr.current_learning_rate(self.model.optimizer),
             )
 
     def on_train_end(self, logs: dict | None = None) -> None:

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
 
 from keras_mgpu._flavour import keras
-from keras_mgpu._validation import check_int
-from keras_mgpu._validation import check_number
+from keras_mgpu._validation import check_int, check_number
 from keras_mgpu.distribute import accumulation_steps_of
 from keras_mgpu.schedules import _optimizer_lr
 from keras_mgpu.schedules.warmup import check_ramp
@@ -168,7 +166,9 @@ class LearningRateWarmup(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         lr = _optimizer_lr.current_learning_rate(self.model.optimizer)
         if logs is not None:
-            logs["learning_rate"] = lr
+            # Keras's own LR callbacks may have logged it already (before
+            # their change of the epoch): keep theirs, never log it twice.
+            logs.setdefault("learning_rate", lr)
         if self.verbose and self._active_steps:
             owner = _optimizer_lr.lr_owner(self.model.optimizer)
             done = int(owner.iterations.numpy())

@@ -11,6 +11,7 @@ from keras_mgpu._flavour import keras
 from keras_mgpu._flavour import register_serializable
 from keras_mgpu._flavour import tf
 from keras_mgpu._validation import check_int
+from keras_mgpu.distribute import strategy_kind
 
 # Base-optimizer arguments the wrapper cannot honour itself: they belong on
 # the inner optimizer, which applies them once per real update.
@@ -58,25 +59,59 @@ def _in_xla_context() -> bool:
     )
 
 
-def _check_keras_limits() -> None:
-    """Raise clearly where Keras itself cannot run the combination.
+def _in_multi_step_loop() -> bool:
+    """Whether tracing happens inside Keras's `steps_per_execution` loop.
 
-    Keras 3.15 fails `jit_compile=True` under `MirroredStrategy` on
-    non-GPU devices with "Trying to access resource ... located in device
-    ... from device ..." deep inside XLA; say so before that happens.
+    Keras 3.15 runs `steps_per_execution > 1` as a `tf.while_loop`; its
+    body graph is named "while_body_*" (checked through outer graphs).
     """
-    strategy = tf.distribute.get_strategy()
-    if not tf.distribute.has_strategy() or not _in_xla_context():
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if getattr(graph, "name", "").startswith("while_body"):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+def _uses_collective_all_reduce(strategy: tf.distribute.Strategy) -> bool:
+    # Private attribute (TF 2.16-2.21): MirroredStrategy keeps the cross-
+    # device ops it was given, or its CollectiveAllReduce default, there.
+    ops = getattr(strategy.extended, "_cross_device_ops", None)
+    return type(ops).__name__ == "CollectiveAllReduce"
+
+
+def _check_keras_limits() -> None:
+    """Raise clearly where Keras itself cannot run the combination, instead
+    of letting it fail later with an obscure graph-execution error.
+
+    Measured with Keras 3.15 / TensorFlow 2.21 on CPU (see the README's
+    compatibility table and tests/test_keras_limits.py).
+    """
+    if not tf.distribute.has_strategy():
         return
-    devices = getattr(strategy.extended, "worker_devices", ())
-    all_gpu = devices and all("GPU" in d.upper() for d in devices)
-    if strategy.num_replicas_in_sync > 1 and not all_gpu:
+    strategy = tf.distribute.get_strategy()
+    if strategy_kind(strategy) != "mirrored":
+        return
+    devices = tuple(getattr(strategy.extended, "worker_devices", ()))
+    all_gpu = bool(devices) and all("GPU" in d.upper() for d in devices)
+    if _in_xla_context() and not all_gpu:
         raise ValueError(
             "jit_compile=True under MirroredStrategy on non-GPU devices "
-            f"({', '.join(devices)}) fails in Keras "
-            f"{keras.version()} itself (XLA reads a resource on another "
-            "device), with or without GradientAccumulationOptimizer. "
-            "Compile the model with jit_compile=False."
+            f"({', '.join(devices)}) fails in Keras {keras.version()} "
+            "itself (XLA reads a resource on another device), with or "
+            "without GradientAccumulationOptimizer. Compile the model with "
+            "jit_compile=False."
+        )
+    if _in_multi_step_loop() and _uses_collective_all_reduce(strategy):
+        raise ValueError(
+            "steps_per_execution > 1 under MirroredStrategy with its default "
+            "CollectiveAllReduce fails in Keras "
+            f"{keras.version()} itself ('You must feed a value for "
+            "placeholder tensor' in its multi-step loop), with or without "
+            "GradientAccumulationOptimizer. Either compile with "
+            "steps_per_execution=1, or build the strategy with "
+            "cross_device_ops=tf.distribute.ReductionToOneDevice() (or "
+            "HierarchicalCopyAllReduce()), under which it runs."
         )
 
 

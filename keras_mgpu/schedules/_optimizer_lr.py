@@ -27,9 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_mgpu._flavour import IS_TF_KERAS
-from keras_mgpu._flavour import keras
-from keras_mgpu._flavour import tf
+from keras_mgpu._flavour import IS_TF_KERAS, keras, tf
 from keras_mgpu.schedules.warmup import ramp_value
 
 _Schedule = keras.optimizers.schedules.LearningRateSchedule

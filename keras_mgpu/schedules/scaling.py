@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import math
 
-from keras_mgpu._validation import check_choice
-from keras_mgpu._validation import check_int
-from keras_mgpu._validation import check_number
+from keras_mgpu._validation import check_choice, check_int, check_number
 
 SCALING_RULES = ("linear", "sqrt")
 

@@ -6,13 +6,8 @@ import math
 import numbers
 from typing import Any
 
-from keras_mgpu._flavour import check_flavour
-from keras_mgpu._flavour import keras
-from keras_mgpu._flavour import register_serializable
-from keras_mgpu._flavour import tf
-from keras_mgpu._validation import check_choice
-from keras_mgpu._validation import check_int
-from keras_mgpu._validation import check_number
+from keras_mgpu._flavour import check_flavour, keras, register_serializable, tf
+from keras_mgpu._validation import check_choice, check_int, check_number
 
 RAMPS = ("linear", "exponential", "cosine")
 
@@ -45,9 +40,7 @@ def ramp_value(fraction: Any, initial: Any, target: Any, ramp: str) -> Any:
     # Geometric: initial * (target / initial) ** fraction.
     safe_target = tf.maximum(target, tf.cast(1e-30, target.dtype))
     ratio = tf.math.log(safe_target / initial)
-    return tf.where(
-        target > 0, initial * tf.exp(ratio * fraction), target
-    )
+    return tf.where(target > 0, initial * tf.exp(ratio * fraction), target)
 
 
 def _schedule_base_class():

@@ -12,8 +12,7 @@ import math
 
 import numpy as np
 
-from keras_mgpu._flavour import keras
-from keras_mgpu._flavour import tf
+from keras_mgpu._flavour import keras, tf
 
 LOG_SIZE = 64
 
@@ -80,8 +79,7 @@ def train_body(task_index: int) -> dict:
     callbacks are driven by hand around `strategy.run`, as a custom training
     loop would.
     """
-    from keras_mgpu.callbacks import LearningRateScaler
-    from keras_mgpu.callbacks import LearningRateWarmup
+    from keras_mgpu.callbacks import LearningRateScaler, LearningRateWarmup
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
@@ -118,6 +116,7 @@ def train_body(task_index: int) -> dict:
     logs = {}
     for callback in callbacks:
         callback.on_epoch_end(0, logs)
+    for callback in callbacks:
         callback.on_train_end()
     return {
         "recorded": optimizer.recorded().tolist(),

@@ -121,7 +121,6 @@ FIT_CASES = [
     ("default", {"jit_compile": True}),
     ("default", {"mixed_float16": True}),
     ("mirrored_2", {}),
-    ("central_storage", {"deterministic": True}),
 ]
 
 
@@ -269,7 +268,6 @@ def test_keras_save_load_under_mirrored(tmp_path):
     np.testing.assert_allclose(
         loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6
     )
-    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # still trains
 
 
 @pytest.mark.slow

@@ -23,42 +23,38 @@ def three_gpus(**kwargs):
     )
 
 
-@pytest.mark.parametrize(
-    "value, expected",
-    [
-        (None, None),
-        ("", []),
-        ("-1", []),
-        ("1,0", ["1", "0"]),
-        (" 2 , GPU-bbbb", ["2", "GPU-bbbb"]),
-        ("0,-1,1", ["0"]),
-    ],
-)
-def test_visible_gpu_selectors(value, expected):
-    env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
-    assert visible_gpu_selectors(env) == expected
+SELECTORS = [
+    (None, None),
+    ("", []),
+    ("-1", []),
+    ("1,0", ["1", "0"]),
+    (" 2 , GPU-bbbb", ["2", "GPU-bbbb"]),
+    ("0,-1,1", ["0"]),
+]
+VISIBLE = [
+    (None, UUIDS),
+    ("2,0", [UUIDS[2], UUIDS[0]]),
+    ("GPU-cccc,GPU-aaaa1111", [UUIDS[2], UUIDS[0]]),
+    ("1,7,0", [UUIDS[1]]),  # CUDA stops at the first bad entry
+]
 
 
-@pytest.mark.parametrize(
-    "visible, uuids",
-    [
-        (None, UUIDS),
-        ("2,0", [UUIDS[2], UUIDS[0]]),
-        ("GPU-cccc,GPU-aaaa1111", [UUIDS[2], UUIDS[0]]),
-        ("1,7,0", [UUIDS[1]]),  # CUDA stops at the first bad entry
-    ],
-)
-def test_respects_cuda_visible_devices(visible, uuids):
-    nvml = three_gpus()
-    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
-    backend = NvmlBackend(nvml=nvml, environ=env)
-    backend.open()
-    assert backend.uuids == uuids
-    assert backend.devices == [f"gpu{i}" for i in range(len(uuids))]
-    if visible == "1,7,0":
-        assert "'7' matches no GPU" in backend.notes[0]
-    backend.close()
-    assert nvml.open_handles == 0
+def test_respects_cuda_visible_devices():
+    # One test, many cases: each test pays the autouse session reset.
+    for value, expected in SELECTORS:
+        env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
+        assert visible_gpu_selectors(env) == expected, value
+    for visible, uuids in VISIBLE:
+        nvml = three_gpus()
+        env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+        backend = NvmlBackend(nvml=nvml, environ=env)
+        backend.open()
+        assert backend.uuids == uuids, visible
+        assert backend.devices == [f"gpu{i}" for i in range(len(uuids))]
+        if visible == "1,7,0":
+            assert "'7' matches no GPU" in backend.notes[0]
+        backend.close()
+        assert nvml.open_handles == 0
 
 
 def test_positions_pick_the_strategy_gpus():

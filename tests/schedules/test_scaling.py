@@ -8,8 +8,7 @@ import pytest
 
 import keras_mgpu
 from keras_mgpu._flavour import keras
-from keras_mgpu.schedules import scaled_learning_rate
-from keras_mgpu.schedules import scaling_factor
+from keras_mgpu.schedules import scaled_learning_rate, scaling_factor
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from keras_mgpu._flavour import keras
-from keras_mgpu._flavour import tf
+from keras_mgpu._flavour import keras, tf
 from keras_mgpu.schedules import Warmup
 
 W = 8
@@ -116,9 +115,7 @@ def test_keras_file_round_trip(tmp_path, strategy_name):
     assert isinstance(restored, Warmup)
     assert restored.get_config() == lr.get_config()
     assert int(loaded.optimizer.iterations.numpy()) == 4
-    assert float(loaded.optimizer.learning_rate) == pytest.approx(
-        float(lr(4))
-    )
+    assert float(loaded.optimizer.learning_rate) == pytest.approx(float(lr(4)))
 
 
 @pytest.mark.parametrize(
