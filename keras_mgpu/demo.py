@@ -292,11 +292,14 @@ def _peak_memory(history: dict, kind: str, devices: list) -> list:
     else:
         # On CPU TensorFlow keeps one allocator for the process: every
         # logical CPU device reports the same figure, so it is shown once.
+        cpu_peak = peak("mem/host_tf_peak_mb")
         rows.append(
             (
                 f"CPU (shared by {len(devices)} logical devices)",
-                peak("mem/host_tf_peak_mb"),
-                "TensorFlow allocator peak, process-wide",
+                cpu_peak,
+                "TensorFlow allocator, process-wide"
+                if math.isfinite(cpu_peak)
+                else "TensorFlow keeps no CPU allocator statistics here",
             )
         )
     rows.append(("host process", peak("mem/host_rss_mb"), "resident (RSS)"))
@@ -442,6 +445,7 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
         "epochs": config.epochs,
         "updates": int(model.optimizer.iterations.numpy()),
         "final_accuracy": final_accuracy,
+        "test_images": len(x_test),
         "final_train_accuracy": float(logs["accuracy"][-1]),
         "final_loss": float(logs["val_loss"][-1]),
         "peak_memory": [
@@ -504,32 +508,30 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
         if summary["warmup_epochs"]
         else "off"
     )
+    batch = (
+        f"{summary['global_batch_size']} = "
+        f"{summary['per_replica_batch_size']} per replica x "
+        f"{summary['replicas']} replicas x {summary['accumulation_steps']} "
+        "accumulation steps"
+    )
+    accumulation = (
+        f"{summary['accumulation_steps']} micro-steps per update"
+        if summary["accumulation_steps"] > 1
+        else "off"
+    )
+    accuracy = (
+        f"{summary['final_accuracy']:.4f} on {summary['test_images']} "
+        f"held-out digits (train {summary['final_train_accuracy']:.4f})"
+    )
     rows = [
         ("devices", devices + " under MirroredStrategy"),
-        (
-            "global batch",
-            f"{summary['global_batch_size']} = {summary['per_replica_batch_size']}"
-            f" per replica x {summary['replicas']} replicas x "
-            f"{summary['accumulation_steps']} accumulation steps",
-        ),
-        (
-            "accumulation",
-            f"{summary['accumulation_steps']} micro-steps per update"
-            if summary["accumulation_steps"] > 1
-            else "off",
-        ),
+        ("global batch", batch),
+        ("accumulation", accumulation),
         ("scaled learning rate", lr),
         ("warmup", warmup),
         ("recompute", on_off[summary["recompute"]] + " (conv_block)"),
-        (
-            "updates",
-            f"{summary['updates']} in {summary['epochs']} epochs",
-        ),
-        (
-            "final accuracy",
-            f"{summary['final_accuracy']:.4f} on {360} held-out digits "
-            f"(train {summary['final_train_accuracy']:.4f})",
-        ),
+        ("updates", f"{summary['updates']} in {summary['epochs']} epochs"),
+        ("final accuracy", accuracy),
     ]
     if summary["peak_memory"]:
         for index, row in enumerate(summary["peak_memory"]):

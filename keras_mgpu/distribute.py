@@ -18,7 +18,7 @@ from keras_mgpu._validation import check_int
 def current_strategy(
     strategy: tf.distribute.Strategy | None = None,
 ) -> tf.distribute.Strategy:
-    """The strategy given, or the one in scope (the default strategy if none)."""
+    """The strategy given, or the one in scope (default strategy if none)."""
     return strategy if strategy is not None else tf.distribute.get_strategy()
 
 
@@ -154,8 +154,8 @@ def worker_info(
     if task_type in (None, "chief"):
         is_chief = True
     else:
-        is_chief = task_type == "worker" and task_id == 0 and (
-            "chief" not in cluster
+        is_chief = (
+            task_type == "worker" and task_id == 0 and ("chief" not in cluster)
         )
     return {
         "task_type": task_type,

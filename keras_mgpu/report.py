@@ -30,7 +30,7 @@ _ACCURACY = re.compile(r"^(val_)?([a-z0-9_]*_)?acc(uracy)?$")
 _LEARNING_RATE = re.compile(r"^(learning_rate|lr)$")
 _MONITOR_MEMORY = re.compile(r"^mem/(w\d+_)?[a-z0-9_]*(_peak_mb|_rss_mb)$")
 _MONITOR_LOAD = re.compile(
-    r"^(gpu|cpu)/(w\d+_)?([a-z]+\d+_)?util_(mean|spread)_pct$"
+    r"^(gpu|cpu)/(w\d+_)?(gpu\d+_)?util_(mean|spread)_pct$"
 )
 _MONITOR_GROUP = re.compile(r"^(mem|gpu|cpu)/")
 _OTHER_MEMORY = re.compile(r"mem(ory)?", re.IGNORECASE)
@@ -106,7 +106,7 @@ def read_csv_log(path: str | os.PathLike) -> dict[str, list[float]]:
                 f"{path!r} line {line_number} has {len(row)} fields, the "
                 f"header has {len(header)}"
             )
-        for name, cell in zip(header, row):
+        for name, cell in zip(header, row, strict=True):
             if name:
                 columns[name].append(_to_float(cell))
     return columns

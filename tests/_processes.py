@@ -151,8 +151,13 @@ def run_workers(
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     envs = []
     for index in range(num_workers):
-        tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
-        envs.append(_child_env({**(env or {}), "TF_CONFIG": json.dumps(tf_config)}))
+        tf_config = {
+            "cluster": cluster,
+            "task": {"type": "worker", "index": index},
+        }
+        envs.append(
+            _child_env({**(env or {}), "TF_CONFIG": json.dumps(tf_config)})
+        )
     return _run_children(target, envs, timeout, args)
 
 

@@ -15,9 +15,7 @@ def regression_data(samples: int, features: int = 6, seed: int = 0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(samples, features)).astype("float32")
     w = rng.normal(size=(features, 1)).astype("float32")
-    y = (np.tanh(x @ w) + 0.1 * rng.normal(size=(samples, 1))).astype(
-        "float32"
-    )
+    y = (np.tanh(x @ w) + 0.1 * rng.normal(size=(samples, 1))).astype("float32")
     return x, y
 
 

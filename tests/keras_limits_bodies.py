@@ -47,8 +47,12 @@ def parameter_server_fit(task_index: int) -> dict:
     config.inter_op_parallelism_threads = 3
     for index in range(2):
         tf.distribute.Server(
-            cluster, job_name="worker", task_index=index, config=config,
-            protocol="grpc", start=True,
+            cluster,
+            job_name="worker",
+            task_index=index,
+            config=config,
+            protocol="grpc",
+            start=True,
         )
     tf.distribute.Server(
         cluster, job_name="ps", task_index=0, protocol="grpc", start=True
@@ -90,7 +94,9 @@ def mirrored_steps_per_execution(task_index: int) -> dict:
             optimizer = keras.optimizers.SGD()
             if label == "wrapper":
                 optimizer = GradientAccumulationOptimizer(optimizer, 2)
-            model.compile(optimizer=optimizer, loss="mse", steps_per_execution=4)
+            model.compile(
+                optimizer=optimizer, loss="mse", steps_per_execution=4
+            )
         x = np.ones((16, 3), "float32")
         try:
             model.fit(x, np.ones((16, 1)), batch_size=4, verbose=0)

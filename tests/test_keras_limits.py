@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _processes import run_in_process
-from _processes import run_workers
-from _training import mlp
-from _training import regression_data
+from _processes import run_in_process, run_workers
+from _training import mlp, regression_data
 from conftest import make_strategy
 
 from keras_mgpu._flavour import keras
@@ -59,8 +57,9 @@ def test_steps_per_execution_fails_under_mirrored_with_collective_ops():
         "keras_limits_bodies:mirrored_steps_per_execution", timeout=180
     )
     assert "must feed a value for placeholder" in result["plain"]
-    assert "ValueError: steps_per_execution > 1 under MirroredStrategy" in (
-        result["wrapper"]
+    assert (
+        "ValueError: steps_per_execution > 1 under MirroredStrategy"
+        in (result["wrapper"])
     )
 
 

@@ -4,3 +4,12 @@ from keras_mgpu.callbacks.gpu_load_monitor import GPULoadMonitor
 from keras_mgpu.callbacks.learning_rate_scaler import LearningRateScaler
 from keras_mgpu.callbacks.learning_rate_warmup import LearningRateWarmup
 from keras_mgpu.callbacks.memory_monitor import MemoryMonitor
+from keras_mgpu.callbacks.pruning_step_sync import PruningStepSync
+
+__all__ = [
+    "GPULoadMonitor",
+    "LearningRateScaler",
+    "LearningRateWarmup",
+    "MemoryMonitor",
+    "PruningStepSync",
+]

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keras_mgpu._flavour import IS_TF_KERAS
-from keras_mgpu._flavour import keras
-from keras_mgpu._flavour import tf
+from keras_mgpu._flavour import IS_TF_KERAS, keras, tf
 
 _TFMOT_HINT = (
     "Install TensorFlow Model Optimization with: "
@@ -131,8 +129,9 @@ class PruningStepSync(keras.callbacks.Callback):
             return
         # The forward pass adds one, as TFMOT's layer does on every
         # training call: update `u` then runs at pruning step `u + 1`.
-        step = tf.cast(tf.convert_to_tensor(self.model.optimizer.iterations),
-                       tf.int64)
+        step = tf.cast(
+            tf.convert_to_tensor(self.model.optimizer.iterations), tf.int64
+        )
         for layer in self.prunable_layers:
             layer.pruning_step.assign(step)
 

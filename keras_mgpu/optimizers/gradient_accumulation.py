@@ -6,24 +6,18 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from keras_mgpu._flavour import check_flavour
-from keras_mgpu._flavour import keras
-from keras_mgpu._flavour import register_serializable
-from keras_mgpu._flavour import tf
+from keras_mgpu._flavour import check_flavour, keras, register_serializable, tf
 from keras_mgpu._validation import check_int
 from keras_mgpu.distribute import strategy_kind
+from keras_mgpu.optimizers._accumulation_common import (
+    INNER_ONLY_ARGUMENTS,
+    AccumulationProtocol,
+    all_finite,
+    check_inner_is_not_a_wrapper,
+    reject_wrapper_arguments,
+)
 
-# Base-optimizer arguments the wrapper cannot honour itself: they belong on
-# the inner optimizer, which applies them once per real update.
-_INNER_ONLY_ARGUMENTS = (
-    "learning_rate",
-    "weight_decay",
-    "clipnorm",
-    "global_clipnorm",
-    "clipvalue",
-    "use_ema",
-    "ema_momentum",
-    "ema_overwrite_frequency",
+_INNER_ONLY_ARGUMENTS = INNER_ONLY_ARGUMENTS + (
     "loss_scale_factor",
     "gradient_accumulation_steps",
 )
@@ -115,13 +109,10 @@ def _check_keras_limits() -> None:
         )
 
 
-def _all_finite(tensors: list) -> tf.Tensor:
-    flags = [tf.reduce_all(tf.math.is_finite(t)) for t in tensors]
-    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
-
-
 @register_serializable
-class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
+class GradientAccumulationOptimizer(
+    AccumulationProtocol, keras.optimizers.Optimizer
+):
     """Accumulates gradients over `accumulation_steps` micro-batches, then
     applies their mean with the inner optimizer.
 
@@ -199,19 +190,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        for argument in _INNER_ONLY_ARGUMENTS:
-            if argument in kwargs:
-                raise ValueError(
-                    f"GradientAccumulationOptimizer does not take "
-                    f"`{argument}`. Received: {argument}="
-                    f"{kwargs[argument]!r}. Set `{argument}` on the "
-                    "`inner_optimizer` instead."
-                )
-        if kwargs:
-            raise TypeError(
-                "GradientAccumulationOptimizer got unexpected arguments: "
-                f"{', '.join(sorted(kwargs))}."
-            )
+        reject_wrapper_arguments(kwargs, _INNER_ONLY_ARGUMENTS)
         accumulation_steps = check_int(
             accumulation_steps, "accumulation_steps", minimum=1
         )
@@ -228,14 +207,6 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
     @staticmethod
     def _check_inner(inner_optimizer: Any) -> None:
         check_flavour(inner_optimizer, "inner_optimizer")
-        if isinstance(inner_optimizer, GradientAccumulationOptimizer):
-            raise ValueError(
-                "Argument `inner_optimizer` is already a "
-                "GradientAccumulationOptimizer (accumulation_steps="
-                f"{inner_optimizer.accumulation_steps}). Wrapping twice "
-                "would accumulate twice: use a single wrapper with "
-                "accumulation_steps set to the product."
-            )
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(
                 "Argument `inner_optimizer` must be a Keras 3 "
@@ -243,14 +214,11 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
                 f"inner_optimizer={inner_optimizer!r} (of type "
                 f"{type(inner_optimizer).__name__})"
             )
-        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
-            raise ValueError(
-                "Argument `inner_optimizer` is a LossScaleOptimizer. Put "
-                "loss scaling outside: LossScaleOptimizer("
-                "GradientAccumulationOptimizer(inner, accumulation_steps)). "
-                "`model.compile` does that for you under the "
-                "'mixed_float16' policy."
-            )
+        check_inner_is_not_a_wrapper(
+            inner_optimizer,
+            GradientAccumulationOptimizer,
+            keras.optimizers.LossScaleOptimizer,
+        )
         builtin = inner_optimizer.gradient_accumulation_steps
         if builtin:
             raise ValueError(
@@ -303,9 +271,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         """
         colocate = getattr(reference, "value", reference)
         name = reference.path.replace("/", "_") + "_accumulator"
-        with self._distribution_strategy.extended.colocate_vars_with(
-            colocate
-        ):
+        with self._distribution_strategy.extended.colocate_vars_with(colocate):
             with keras.name_scope(self.name, caller=self):
                 variable = keras.Variable(
                     initializer="zeros",
@@ -323,44 +289,8 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
     def variables(self) -> list:
         return self._variables + self.inner_optimizer.variables
 
-    @property
-    def iterations(self) -> Any:
-        """Number of real updates (the inner optimizer's counter)."""
-        return self.inner_optimizer.iterations
-
-    @property
-    def micro_steps(self) -> Any:
-        """Number of `apply` calls (micro-batches) so far."""
-        return self._iterations
-
-    @property
-    def pending_steps(self) -> Any:
-        """Micro-batches accumulated in the current, unfinished window."""
-        return self._pending_steps
-
-    @property
-    def skipped_updates(self) -> Any:
-        """Windows dropped because the mean gradient was not finite."""
-        return self._skipped_updates
-
-    @property
-    def accumulators(self) -> list:
-        """The accumulator variables, one per trainable variable."""
-        return list(self._accumulators)
-
-    @property
-    def learning_rate(self) -> Any:
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate: Any) -> None:
-        self.inner_optimizer.learning_rate = learning_rate
-
     def _get_current_learning_rate(self) -> Any:
         return self.inner_optimizer._get_current_learning_rate()
-
-    def finalize_variable_values(self, var_list: list) -> None:
-        self.inner_optimizer.finalize_variable_values(var_list)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(
@@ -399,12 +329,15 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         # from the wrapper either: the inner optimizer then skips it
         # (and warns), exactly as without accumulation. A zero gradient
         # would not be the same (weight decay, momentum).
-        missing = [v.path for g, v in zip(grads, trainable_variables) if g is None]
+        missing = [
+            v.path for g, v in zip(grads, trainable_variables) if g is None
+        ]
         if missing:
             warnings.warn(
                 f"Gradients do not exist for variables {missing} when "
                 "minimizing the loss; GradientAccumulationOptimizer leaves "
-                "them unchanged."
+                "them unchanged.",
+                stacklevel=2,
             )
         trainable_variables = [
             v for g, v in zip(grads, trainable_variables) if g is not None
@@ -422,16 +355,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         ]
         with keras.name_scope(self.name, caller=self):
             self._accumulate(grads, accumulators)
-            replica_context = tf.distribute.get_replica_context()
-            if tf.__internal__.distribute.strategy_supports_no_merge_call():
-                # XLA on all-GPU MirroredStrategy, and no strategy at all:
-                # everything can stay in replica context.
-                self._step_in_replica_context(trainable_variables, accumulators)
-            else:
-                replica_context.merge_call(
-                    self._step_in_cross_replica_context,
-                    args=(trainable_variables, accumulators),
-                )
+            self._step(trainable_variables, accumulators)
 
     def _accumulate(self, grads: list, accumulators: list) -> None:
         """Add this replica's gradients to its own accumulators (local)."""
@@ -458,7 +382,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             divisor *= context.num_replicas_in_sync
         return [tf.convert_to_tensor(a.value) / divisor for a in accumulators]
 
-    def _decide_and_reduce(self, accumulators: list) -> tuple:
+    def _decide(self, accumulators: list) -> tuple:
         """Replica context: (finite?, gradients to hand to the inner).
 
         Without clipping the inner optimizer receives each replica's local
@@ -472,91 +396,22 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         local = self._local_means(accumulators)
         if _has_clipping(self.inner_optimizer):
             reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
-            finite = _all_finite(reduced)
+            finite = all_finite(reduced)
             clipped = _clip_like(self.inner_optimizer, reduced)
             replicas = context.num_replicas_in_sync
             return finite, [g / replicas for g in clipped]
-        nonfinite = tf.cast(tf.logical_not(_all_finite(local)), tf.float32)
+        nonfinite = tf.cast(tf.logical_not(all_finite(local)), tf.float32)
         nonfinite = context.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
         return tf.equal(nonfinite, 0.0), local
 
     def _apply_to_inner(self, grads, trainable_variables, accumulators):
         """Replica context: one inner update, then empty the accumulators."""
         self.inner_optimizer.apply(grads, trainable_variables)
-        self._reset_accumulators(accumulators)
+        self._reset(accumulators)
 
-    def _reset_accumulators(self, accumulators: list) -> None:
+    def _reset(self, accumulators: list) -> None:
         for accumulator in accumulators:
             accumulator.assign(tf.zeros_like(accumulator.value))
-
-    def _step_in_replica_context(self, trainable_variables, accumulators):
-        self._iterations.assign_add(1)
-        self._pending_steps.assign_add(1)
-
-        def update():
-            finite, grads = self._decide_and_reduce(accumulators)
-
-            def skip():
-                self._skipped_updates.assign_add(1)
-                self._reset_accumulators(accumulators)
-
-            tf.cond(
-                finite,
-                lambda: self._apply_to_inner(
-                    grads, trainable_variables, accumulators
-                ),
-                skip,
-            )
-            self._pending_steps.assign(0)
-
-        tf.cond(
-            self._pending_steps >= self.accumulation_steps,
-            update,
-            lambda: None,
-        )
-
-    def _step_in_cross_replica_context(
-        self, distribution, trainable_variables, accumulators
-    ):
-        # The decision must be taken here, in cross-replica context:
-        # tf.distribute does not allow a `tf.cond` in replica context whose
-        # branch calls `merge_call`, which the inner optimizer's `apply`
-        # does (the same pattern as Keras's LossScaleOptimizer._tf_apply).
-        self._iterations.assign_add(1)
-        self._pending_steps.assign_add(1)
-        extended = distribution.extended
-
-        def update():
-            finite_per_replica, grads_per_replica = (
-                extended.call_for_each_replica(
-                    self._decide_and_reduce, args=(accumulators,)
-                )
-            )
-            # Every replica computed the same value from all-reduced inputs.
-            finite = distribution.experimental_local_results(
-                finite_per_replica
-            )[0]
-
-            def apply_update():
-                extended.call_for_each_replica(
-                    self._apply_to_inner,
-                    args=(grads_per_replica, trainable_variables, accumulators),
-                )
-
-            def skip_update():
-                self._skipped_updates.assign_add(1)
-                extended.call_for_each_replica(
-                    self._reset_accumulators, args=(accumulators,)
-                )
-
-            tf.cond(finite, apply_update, skip_update)
-            self._pending_steps.assign(0)
-
-        tf.cond(
-            self._pending_steps >= self.accumulation_steps,
-            update,
-            lambda: None,
-        )
 
     def scale_loss(self, loss: Any) -> Any:
         if self.loss_scale_factor is not None:
@@ -572,9 +427,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         # where it was given.
         inner_config = keras.saving.serialize_keras_object(inner)
         if self.loss_scale_factor is not None:
-            inner_config["config"]["loss_scale_factor"] = (
-                self.loss_scale_factor
-            )
+            inner_config["config"]["loss_scale_factor"] = self.loss_scale_factor
         return {
             "name": self.name,
             "inner_optimizer": inner_config,

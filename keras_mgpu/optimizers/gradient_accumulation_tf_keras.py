@@ -8,26 +8,17 @@ from typing import Any
 
 import numpy as np
 
-from keras_mgpu._flavour import check_flavour
-from keras_mgpu._flavour import keras
-from keras_mgpu._flavour import register_serializable
-from keras_mgpu._flavour import tf
+from keras_mgpu._flavour import check_flavour, keras, register_serializable, tf
 from keras_mgpu._validation import check_int
-
-# Base-optimizer arguments the wrapper cannot honour itself: they belong on
-# the inner optimizer, which applies them once per real update.
-_INNER_ONLY_ARGUMENTS = (
-    "learning_rate",
-    "weight_decay",
-    "clipnorm",
-    "global_clipnorm",
-    "clipvalue",
-    "use_ema",
-    "ema_momentum",
-    "ema_overwrite_frequency",
-    "jit_compile",
-    "mesh",
+from keras_mgpu.optimizers._accumulation_common import (
+    INNER_ONLY_ARGUMENTS,
+    AccumulationProtocol,
+    all_finite,
+    check_inner_is_not_a_wrapper,
+    reject_wrapper_arguments,
 )
+
+_INNER_ONLY_ARGUMENTS = INNER_ONLY_ARGUMENTS + ("jit_compile", "mesh")
 
 
 class _CallableList(list):
@@ -38,11 +29,6 @@ class _CallableList(list):
         return self
 
 
-def _all_finite(tensors: list) -> tf.Tensor:
-    flags = [tf.reduce_all(tf.math.is_finite(t)) for t in tensors]
-    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
-
-
 def _true_dtype(variable: Any) -> tf.DType:
     # Under a mixed precision policy, model variables report their compute
     # ("cast") dtype; accumulators keep the variable's storage dtype.
@@ -50,7 +36,9 @@ def _true_dtype(variable: Any) -> tf.DType:
 
 
 @register_serializable
-class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
+class GradientAccumulationOptimizer(
+    AccumulationProtocol, keras.optimizers.Optimizer
+):
     """Accumulates gradients over `accumulation_steps` micro-batches, then
     applies their mean with the inner optimizer (tf_keras flavour).
 
@@ -84,8 +72,9 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
     finite on every replica; if not, the whole window is skipped identically
     everywhere (`skipped_updates` counts them) and the accumulators restart
     from zero. Works under the default strategy, `OneDeviceStrategy`,
-    `MirroredStrategy`, `MultiWorkerMirroredStrategy` and
-    `ParameterServerStrategy` (`model.fit` with a `DatasetCreator`). Under
+    `MirroredStrategy`, `CentralStorageStrategy`,
+    `MultiWorkerMirroredStrategy` and `ParameterServerStrategy`
+    (`model.fit` with a `DatasetCreator`). Under
     `ParameterServerStrategy` the accumulators live on the parameter servers
     and are shared by the workers: with one worker the equivalence above is
     exact; with several, workers step asynchronously (as in any
@@ -139,19 +128,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         # Written by get_config so tf_keras's deserializer picks the new
         # optimizer classes; meaningless here.
         kwargs.pop("is_legacy_optimizer", None)
-        for argument in _INNER_ONLY_ARGUMENTS:
-            if argument in kwargs:
-                raise ValueError(
-                    f"GradientAccumulationOptimizer does not take "
-                    f"`{argument}`. Received: {argument}="
-                    f"{kwargs[argument]!r}. Set `{argument}` on the "
-                    "`inner_optimizer` instead."
-                )
-        if kwargs:
-            raise TypeError(
-                "GradientAccumulationOptimizer got unexpected arguments: "
-                f"{', '.join(sorted(kwargs))}."
-            )
+        reject_wrapper_arguments(kwargs, _INNER_ONLY_ARGUMENTS)
         accumulation_steps = check_int(
             accumulation_steps, "accumulation_steps", minimum=1
         )
@@ -166,23 +143,11 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
     @staticmethod
     def _check_inner(inner_optimizer: Any) -> None:
         check_flavour(inner_optimizer, "inner_optimizer")
-        if isinstance(inner_optimizer, GradientAccumulationOptimizer):
-            raise ValueError(
-                "Argument `inner_optimizer` is already a "
-                "GradientAccumulationOptimizer (accumulation_steps="
-                f"{inner_optimizer.accumulation_steps}). Wrapping twice "
-                "would accumulate twice: use a single wrapper with "
-                "accumulation_steps set to the product."
-            )
-        lso = keras.mixed_precision.LossScaleOptimizer
-        if isinstance(inner_optimizer, lso):
-            raise ValueError(
-                "Argument `inner_optimizer` is a LossScaleOptimizer. Put "
-                "loss scaling outside: LossScaleOptimizer("
-                "GradientAccumulationOptimizer(inner, accumulation_steps)). "
-                "`model.compile` does that for you under the "
-                "'mixed_float16' policy."
-            )
+        check_inner_is_not_a_wrapper(
+            inner_optimizer,
+            GradientAccumulationOptimizer,
+            keras.mixed_precision.LossScaleOptimizer,
+        )
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(
                 "Argument `inner_optimizer` must be a tf_keras "
@@ -245,45 +210,10 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             list(self._variables) + list(self.inner_optimizer.variables)
         )
 
-    @property
-    def iterations(self) -> tf.Variable:
-        """Number of real updates (the inner optimizer's counter)."""
-        return self.inner_optimizer.iterations
-
-    @iterations.setter
+    @AccumulationProtocol.iterations.setter
     def iterations(self, variable: tf.Variable) -> None:
+        # tf_keras assigns `optimizer.iterations` when restoring.
         self.inner_optimizer.iterations = variable
-
-    @property
-    def micro_steps(self) -> tf.Variable:
-        """Number of `apply_gradients` calls (micro-batches) so far."""
-        return self._iterations
-
-    @property
-    def pending_steps(self) -> tf.Variable:
-        """Micro-batches accumulated in the current, unfinished window."""
-        return self._pending_steps
-
-    @property
-    def skipped_updates(self) -> tf.Variable:
-        """Windows dropped because the mean gradient was not finite."""
-        return self._skipped_updates
-
-    @property
-    def accumulators(self) -> list:
-        """The accumulator variables, one per trainable variable."""
-        return list(self._accumulators)
-
-    @property
-    def learning_rate(self) -> Any:
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate: Any) -> None:
-        self.inner_optimizer.learning_rate = learning_rate
-
-    def finalize_variable_values(self, var_list: list) -> None:
-        self.inner_optimizer.finalize_variable_values(var_list)
 
     def load_own_variables(self, store: Any) -> None:
         """Load the state saved in a `.keras` file.
@@ -362,16 +292,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             accumulators.append(self._accumulators[index])
         with tf.name_scope(name or self.name):
             self._accumulate(grads, accumulators, pre_reduced)
-            if tf.__internal__.distribute.strategy_supports_no_merge_call():
-                # No strategy, or one that never needs a merge_call.
-                self._step_in_replica_context(variables, accumulators)
-            else:
-                # By closure, not `args`: merge_call would regroup them.
-                tf.distribute.get_replica_context().merge_call(
-                    lambda distribution: self._step_in_cross_replica_context(
-                        distribution, variables, accumulators
-                    )
-                )
+            self._step(variables, accumulators)
         return self.iterations
 
     def _accumulate(
@@ -379,7 +300,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
     ) -> None:
         """Add this replica's gradients to its own accumulators (local)."""
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        for grad, accumulator in zip(grads, accumulators):
+        for grad, accumulator in zip(grads, accumulators, strict=True):
             if isinstance(grad, tf.IndexedSlices):
                 grad = tf.convert_to_tensor(grad)
             grad = tf.cast(grad, accumulator.dtype)
@@ -408,92 +329,18 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
                 # hands over an equal part of it.
                 divisor *= replicas
             local.append(tf.identity(accumulator.read_value()) / divisor)
-        nonfinite = tf.cast(tf.logical_not(_all_finite(local)), tf.float32)
+        nonfinite = tf.cast(tf.logical_not(all_finite(local)), tf.float32)
         nonfinite = context.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
         return tf.equal(nonfinite, 0.0), local
 
     def _apply_to_inner(self, grads, variables, accumulators) -> None:
         """Replica context: one inner update, then empty the accumulators."""
-        self.inner_optimizer.apply_gradients(zip(grads, variables))
+        self.inner_optimizer.apply_gradients(zip(grads, variables, strict=True))
         self._reset(accumulators)
 
-    @staticmethod
-    def _reset(accumulators: list) -> None:
+    def _reset(self, accumulators: list) -> None:
         for accumulator in accumulators:
             accumulator.assign(tf.zeros_like(accumulator.read_value()))
-
-    def _step_in_replica_context(self, variables, accumulators) -> None:
-        self._iterations.assign_add(1)
-        self._pending_steps.assign_add(1)
-
-        def update():
-            finite, grads = self._decide(accumulators)
-
-            def skip():
-                self._skipped_updates.assign_add(1)
-                self._reset(accumulators)
-
-            tf.cond(
-                finite,
-                lambda: self._apply_to_inner(grads, variables, accumulators),
-                skip,
-            )
-            self._pending_steps.assign(0)
-
-        tf.cond(
-            self._pending_steps >= self.accumulation_steps,
-            update,
-            lambda: None,
-        )
-
-    def _step_in_cross_replica_context(
-        self, distribution, variables, accumulators
-    ) -> None:
-        # The decision must be taken here, in cross-replica context:
-        # tf.distribute does not allow a `tf.cond` in replica context whose
-        # branch calls `merge_call`, which the inner optimizer's
-        # `apply_gradients` does (tf_keras's LossScaleOptimizer uses the same
-        # pattern). Model variables and accumulators reach the replica
-        # functions by closure: passed as arguments, `call_for_each_replica`
-        # would unwrap them to one device's component, and the inner
-        # optimizer needs the distributed variables.
-        self._iterations.assign_add(1)
-        self._pending_steps.assign_add(1)
-        extended = distribution.extended
-
-        def update():
-            finite_per_replica, grads_per_replica = (
-                extended.call_for_each_replica(
-                    lambda: self._decide(accumulators)
-                )
-            )
-            # Every replica computed the same flag from an all-reduce.
-            finite = distribution.experimental_local_results(
-                finite_per_replica
-            )[0]
-
-            def apply_update():
-                extended.call_for_each_replica(
-                    lambda grads: self._apply_to_inner(
-                        grads, variables, accumulators
-                    ),
-                    args=(grads_per_replica,),
-                )
-
-            def skip_update():
-                self._skipped_updates.assign_add(1)
-                extended.call_for_each_replica(
-                    lambda: self._reset(accumulators)
-                )
-
-            tf.cond(finite, apply_update, skip_update)
-            self._pending_steps.assign(0)
-
-        tf.cond(
-            self._pending_steps >= self.accumulation_steps,
-            update,
-            lambda: None,
-        )
 
     # ------------------------------------------------------------------
     # Serialization
@@ -501,9 +348,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
     def get_config(self) -> dict:
         return {
             "name": self.name,
-            "inner_optimizer": keras.optimizers.serialize(
-                self.inner_optimizer
-            ),
+            "inner_optimizer": keras.optimizers.serialize(self.inner_optimizer),
             "accumulation_steps": self.accumulation_steps,
             # Tells tf_keras's `optimizers.deserialize` this is a new-style
             # (v2.11+) optimizer.
@@ -522,4 +367,3 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
                 use_legacy_optimizer=False,
             )
         return cls(inner, **config)
-

@@ -258,7 +258,7 @@ def _trace_key(model: Any) -> tuple:
 
 
 def _same(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 def activate(model: Any) -> None:

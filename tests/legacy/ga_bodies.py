@@ -6,7 +6,6 @@ returns JSON-able results; the assertions live in the test modules.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 
@@ -15,6 +14,7 @@ import numpy as np
 PER_REPLICA_BATCH = 4
 ACCUMULATION_STEPS = 2
 FEATURES = 5
+BASE_LR = 0.01
 
 
 def _data(samples: int) -> tuple:
@@ -24,30 +24,65 @@ def _data(samples: int) -> tuple:
     return x, y
 
 
-def _model(keras, accumulate: bool, clipnorm=None):
-    from keras_mgpu.optimizers.gradient_accumulation_tf_keras import (
-        GradientAccumulationOptimizer,
-    )
+def _model(keras, accumulate: bool, learning_rate=BASE_LR):
+    """Two Dense layers; with `accumulate`, each wrapped in RecomputeGrad
+    and the optimizer in GradientAccumulationOptimizer."""
+    from keras_mgpu.layers import apply_recompute
+    from keras_mgpu.optimizers import GradientAccumulationOptimizer
 
     keras.utils.set_random_seed(1)
     model = keras.Sequential(
         [
-            keras.layers.Dense(8, activation="tanh", input_shape=(FEATURES,)),
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(8, activation="tanh"),
             keras.layers.Dense(2),
         ]
     )
-    optimizer = keras.optimizers.Adam(0.01, global_clipnorm=clipnorm)
+    optimizer = keras.optimizers.Adam(learning_rate, global_clipnorm=0.1)
     if accumulate:
-        optimizer = GradientAccumulationOptimizer(
-            optimizer, ACCUMULATION_STEPS
-        )
+        model = apply_recompute(model)
+        optimizer = GradientAccumulationOptimizer(optimizer, ACCUMULATION_STEPS)
     model.compile(optimizer, loss="mse")
     return model
 
 
+def _callbacks(keras, window: int, warmup_callback: bool) -> list:
+    """LR scaling ×2 (base batch = half the examples per update), warmup
+    over 2 updates (this callback, or else a Warmup schedule), and both
+    monitors."""
+    from keras_mgpu.callbacks import (
+        GPULoadMonitor,
+        LearningRateScaler,
+        LearningRateWarmup,
+        MemoryMonitor,
+    )
+
+    callbacks = [
+        LearningRateScaler(
+            base_batch_size=window // 2,
+            per_replica_batch_size=PER_REPLICA_BATCH,
+            verbose=0,
+        )
+    ]
+    if warmup_callback:
+        callbacks.append(LearningRateWarmup(warmup_steps=2))
+    return callbacks + [
+        MemoryMonitor(warn_fraction=None),
+        GPULoadMonitor(interval=0.05),
+    ]
+
+
 def _reference(keras, x, y, window: int, updates: int) -> list:
-    """Plain optimizer, one step per window of `window` samples."""
-    model = _model(keras, accumulate=False, clipnorm=0.1)
+    """Plain optimizer, one step per window of `window` samples, with the
+    learning rate the components must produce: warmup over 2 updates to
+    twice the base rate."""
+    model = _model(
+        keras,
+        accumulate=False,
+        learning_rate=keras.optimizers.schedules.PiecewiseConstantDecay(
+            [0, 1], [0.0, BASE_LR, 2 * BASE_LR]
+        ),
+    )
     model.fit(
         x[: window * updates],
         y[: window * updates],
@@ -56,6 +91,13 @@ def _reference(keras, x, y, window: int, updates: int) -> list:
         verbose=0,
     )
     return model.get_weights()
+
+
+def _monitor_keys(history) -> bool:
+    keys = set(history.history)
+    return any(k.startswith("mem/") for k in keys) and any(
+        k.startswith(("gpu/", "cpu/")) for k in keys
+    )
 
 
 def _sharded_creator(tf, keras, x, y):
@@ -71,12 +113,20 @@ def _sharded_creator(tf, keras, x, y):
     return keras.utils.experimental.DatasetCreator(dataset_fn)
 
 
+def _max_abs_diff(a: list, b: list) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+def _accumulator_sum(optimizer) -> float:
+    return float(sum(np.abs(a.numpy()).sum() for a in optimizer.accumulators))
+
+
 def multi_worker_body(task_index: int) -> dict:
-    """MultiWorkerMirrored (2 workers × 1 replica): fit with accumulation,
-    stop mid-window, checkpoint, restore into a new model, finish the run;
-    compare with one device at batch K·R·b."""
-    from keras_mgpu._flavour import keras
-    from keras_mgpu._flavour import tf
+    """MultiWorkerMirrored (2 workers × 1 replica): `model.fit` with
+    accumulation, RecomputeGrad, the LR scaler and warmup callbacks and both
+    monitors; stop one micro-batch into a window, checkpoint, restore into a
+    new model, finish the run; compare with one device at batch K·R·b."""
+    from keras_mgpu._flavour import keras, tf
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     replicas = strategy.num_replicas_in_sync
@@ -88,44 +138,37 @@ def multi_worker_body(task_index: int) -> dict:
     micro_steps = ACCUMULATION_STEPS * updates
     first = ACCUMULATION_STEPS + 1  # stops one micro-batch into a window
     with strategy.scope():
-        model = _model(keras, accumulate=True, clipnorm=0.1)
-    # Every micro-step reads the same sharded stream; the second fit skips
-    # what the first consumed.
-    model.fit(
+        model = _model(keras, accumulate=True)
+    history = model.fit(
         _sharded_creator(tf, keras, x, y),
         steps_per_epoch=first,
         epochs=1,
         verbose=0,
+        callbacks=_callbacks(keras, window, warmup_callback=True),
     )
     pending = int(model.optimizer.pending_steps.numpy())
-    accumulator_sum = float(
-        sum(np.abs(a.numpy()).sum() for a in model.optimizer.accumulators)
-    )
+    accumulator_sum = _accumulator_sum(model.optimizer)
+    # Every worker saves (the collective reads need all of them).
     ckpt_dir = os.path.join(tempfile.mkdtemp(), f"task{task_index}")
     checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     path = checkpoint.save(os.path.join(ckpt_dir, "ckpt"))
 
     with strategy.scope():
-        restored = _model(keras, accumulate=True, clipnorm=0.1)
+        restored = _model(keras, accumulate=True)
         restored.optimizer.build(restored.trainable_variables)
     tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(
         path
     ).assert_consumed()
     restored_pending = int(restored.optimizer.pending_steps.numpy())
-    restored_sum = float(
-        sum(np.abs(a.numpy()).sum() for a in restored.optimizer.accumulators)
-    )
-    rest = micro_steps - first
+    restored_sum = _accumulator_sum(restored.optimizer)
+    # The second fit reads the samples the first did not consume.
     skip = first * PER_REPLICA_BATCH * replicas
     restored.fit(
         _sharded_creator(tf, keras, x[skip:], y[skip:]),
-        steps_per_epoch=rest,
+        steps_per_epoch=micro_steps - first,
         epochs=1,
         verbose=0,
-    )
-    diff = max(
-        float(np.abs(a - b).max())
-        for a, b in zip(reference, restored.get_weights())
+        callbacks=_callbacks(keras, window, warmup_callback=True),
     )
     return {
         "replicas": replicas,
@@ -135,17 +178,20 @@ def multi_worker_body(task_index: int) -> dict:
         "accumulator_sum_restored": restored_sum,
         "iterations": int(restored.optimizer.iterations.numpy()),
         "micro_steps": int(restored.optimizer.micro_steps.numpy()),
-        "max_abs_diff": diff,
+        "max_abs_diff": _max_abs_diff(reference, restored.get_weights()),
+        "monitor_keys": _monitor_keys(history),
     }
 
 
 def parameter_server_body(task_index: int, num_ps: int = 2) -> dict:
     """ParameterServerStrategy on an in-process cluster (1 worker, `num_ps`
-    parameter servers on 127.0.0.1): `model.fit` with a DatasetCreator and
-    accumulation equals one device at batch K·b."""
-    from keras_mgpu._flavour import keras
-    from keras_mgpu._flavour import tf
+    parameter servers on 127.0.0.1): `model.fit` with a DatasetCreator,
+    accumulation, RecomputeGrad, a Warmup schedule, the LR scaler and both
+    monitors equals one device at batch K·b."""
     from _processes import free_ports
+
+    from keras_mgpu._flavour import keras, tf
+    from keras_mgpu.schedules import Warmup
 
     updates = 3
     window = PER_REPLICA_BATCH * ACCUMULATION_STEPS
@@ -159,7 +205,7 @@ def parameter_server_body(task_index: int, num_ps: int = 2) -> dict:
         "ps": [f"127.0.0.1:{p}" for p in ports[1:]],
     }
     spec = tf.train.ClusterSpec(cluster)
-    servers = [
+    servers = [  # noqa: F841 - kept alive until the function returns
         tf.distribute.Server(
             spec, job_name=job, task_index=index, protocol="grpc", start=True
         )
@@ -171,26 +217,22 @@ def parameter_server_body(task_index: int, num_ps: int = 2) -> dict:
     )
     strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
     with strategy.scope():
-        model = _model(keras, accumulate=True, clipnorm=0.1)
-    model.fit(
+        model = _model(keras, accumulate=True, learning_rate=Warmup(BASE_LR, 2))
+    history = model.fit(
         _sharded_creator(tf, keras, x, y),
         steps_per_epoch=ACCUMULATION_STEPS * updates,
         epochs=1,
         verbose=0,
-    )
-    weights = model.get_weights()
-    diff = max(
-        float(np.abs(a - b).max()) for a, b in zip(reference, weights)
+        callbacks=_callbacks(keras, window, warmup_callback=False),
     )
     devices = sorted(
         {a.device.split("/device")[0] for a in model.optimizer.accumulators}
     )
-    result = {
-        "max_abs_diff": diff,
+    return {
+        "max_abs_diff": _max_abs_diff(reference, model.get_weights()),
         "iterations": int(model.optimizer.iterations.numpy()),
         "micro_steps": int(model.optimizer.micro_steps.numpy()),
         "pending": int(model.optimizer.pending_steps.numpy()),
         "accumulator_devices": devices,
+        "monitor_keys": _monitor_keys(history),
     }
-    del servers
-    return json.loads(json.dumps(result))

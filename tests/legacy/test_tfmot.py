@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _training import assert_weights_close
-from _training import mlp
-from _training import regression_data
+from _training import assert_weights_close, mlp, regression_data
 from conftest import make_strategy
 
-from keras_mgpu._flavour import keras
-from keras_mgpu._flavour import tf
-from keras_mgpu.callbacks import GPULoadMonitor
-from keras_mgpu.callbacks import LearningRateWarmup
-from keras_mgpu.callbacks import MemoryMonitor
-from keras_mgpu.callbacks.pruning_step_sync import PruningStepSync
-from keras_mgpu.callbacks.pruning_step_sync import _prune_low_magnitude_class
-from keras_mgpu.layers import RecomputeGrad
-from keras_mgpu.layers import strip_recompute
+from keras_mgpu._flavour import keras, tf
+from keras_mgpu.callbacks import (
+    GPULoadMonitor,
+    LearningRateWarmup,
+    MemoryMonitor,
+)
+from keras_mgpu.callbacks.pruning_step_sync import (
+    PruningStepSync,
+    _prune_low_magnitude_class,
+)
+from keras_mgpu.layers import RecomputeGrad, strip_recompute
 from keras_mgpu.optimizers import GradientAccumulationOptimizer
 from keras_mgpu.schedules import Warmup
 
@@ -235,7 +235,9 @@ def test_recompute_block_inside_pruned_model_prunes(pruned_recompute_run):
         # Re-masked at the epoch end: the kernel itself is sparse.
         kernel = layer.layer.kernel.numpy()
         assert np.mean(kernel == 0) == pytest.approx(TARGET_SPARSITY, abs=0.02)
-        np.testing.assert_array_equal(kernel == 0, layer.pruning_vars[0][1] == 0)
+        np.testing.assert_array_equal(
+            kernel == 0, layer.pruning_vars[0][1] == 0
+        )
 
 
 @pytest.mark.xfail(
@@ -278,17 +280,16 @@ def test_recompute_block_follows_the_pruning_schedule(pruned_recompute_run):
         for u in range(UPDATES)
     ]
     window_ends = recorder.sparsity[ACCUMULATION - 1 : ACCUMULATION * UPDATES]
-    np.testing.assert_allclose(
-        window_ends[::ACCUMULATION], expected, atol=0.02
-    )
+    np.testing.assert_allclose(window_ends[::ACCUMULATION], expected, atol=0.02)
 
 
 def test_pruning_step_sync_rejects_steps_per_execution():
     model = sparsity.prune_low_magnitude(mlp(), pruning_schedule=_schedule())
     model.compile("sgd", loss="mse", steps_per_execution=2)
     with pytest.raises(
-        ValueError, match=r"needs `steps_per_execution=1`.*Received: "
-        r"steps_per_execution=2"
+        ValueError,
+        match=r"needs `steps_per_execution=1`.*Received: "
+        r"steps_per_execution=2",
     ):
         model.fit(X, Y, batch_size=8, verbose=0, callbacks=[PruningStepSync()])
 

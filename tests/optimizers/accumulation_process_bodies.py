@@ -45,7 +45,6 @@ def _inner():
 
 def reference_weights(num_replicas: int) -> list:
     """Plain inner optimizer, one device, batch K·R·per-replica batch."""
-    from keras_mgpu._flavour import keras
 
     global_micro = num_replicas * PER_REPLICA_BATCH
     x, y = _data(global_micro * ACCUMULATION * UPDATES)

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _training import assert_weights_close
-from _training import mlp
-from _training import regression_data
+from _training import assert_weights_close, mlp, regression_data
 
 from keras_mgpu import GradientAccumulationOptimizer
-from keras_mgpu._flavour import keras
-from keras_mgpu._flavour import tf
+from keras_mgpu._flavour import keras, tf
 
 ACCUMULATION = 3
 MICRO_BATCH = 8  # global micro-batch (split across replicas)
@@ -363,8 +360,12 @@ def test_inner_loss_scale_factor_is_applied_once():
 @pytest.mark.parametrize(
     "steps, error, message",
     [
-        (0, ValueError, r"`accumulation_steps` must be an integer >= 1\. "
-         r"Received: accumulation_steps=0"),
+        (
+            0,
+            ValueError,
+            r"`accumulation_steps` must be an integer >= 1\. "
+            r"Received: accumulation_steps=0",
+        ),
         (-2, ValueError, r"Received: accumulation_steps=-2"),
         (2.0, TypeError, r"Received: accumulation_steps=2\.0 \(of type float"),
         (True, TypeError, r"Received: accumulation_steps=True \(of type bool"),
@@ -404,9 +405,7 @@ def test_rejects_wrapping_twice():
 
 def test_rejects_builtin_accumulation_on_inner():
     inner = keras.optimizers.SGD(gradient_accumulation_steps=4)
-    with pytest.raises(
-        ValueError, match="own gradient_accumulation_steps=4"
-    ):
+    with pytest.raises(ValueError, match="own gradient_accumulation_steps=4"):
         GradientAccumulationOptimizer(inner, 2)
 
 

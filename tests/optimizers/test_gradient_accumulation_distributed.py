@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _processes import run_in_process
-from _processes import run_workers
-from _training import assert_weights_close
-from _training import regression_data
+from _processes import run_in_process, run_workers
+from _training import assert_weights_close, regression_data
 
 from keras_mgpu import GradientAccumulationOptimizer
-from keras_mgpu._flavour import keras
-from keras_mgpu._flavour import tf
+from keras_mgpu._flavour import keras, tf
 
 
 class _CountingReduction(tf.distribute.ReductionToOneDevice):

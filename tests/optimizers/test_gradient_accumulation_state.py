@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _training import assert_weights_close
-from _training import mlp
-from _training import regression_data
+from _training import assert_weights_close, mlp, regression_data
 
 from keras_mgpu import GradientAccumulationOptimizer
-from keras_mgpu._flavour import keras
-from keras_mgpu._flavour import tf
+from keras_mgpu._flavour import keras, tf
 
 ACCUMULATION = 4
 BATCH = 4

@@ -1,0 +1,322 @@
+"""The `keras-mgpu` command: bad options, `info`, `report`, and the demo end
+to end in a process of its own (it sets up logical devices before
+TensorFlow starts, which this test process has already done)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from keras_mgpu import cli
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# The demo test trains 5 epochs (55 updates). Measured on held-out digits
+# with seeds 0-3: 0.95-0.96 at 5 epochs, 0.97-0.98 at the default 10.
+DEMO_TEST_EPOCHS = 5
+ACCURACY_THRESHOLD = 0.9
+
+
+def _run(args: list, timeout: float, cwd=None, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "keras_mgpu", *args],
+        cwd=cwd or REPO_ROOT,
+        env={
+            **os.environ,
+            "PYTHONPATH": REPO_ROOT,
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "TF_USE_LEGACY_KERAS": "0",
+            **(env or {}),
+        },
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _is_png(path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(8) == PNG_MAGIC
+
+
+# ----------------------------------------------------------------------
+# Options
+# ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "the following arguments are required: COMMAND"),
+        (["train"], "invalid choice: 'train'"),
+        (
+            ["demo", "--epochs", "0"],
+            "argument --epochs: must be an integer from 1 to 1000. "
+            "Received: '0'",
+        ),
+        (
+            ["demo", "--epochs", "two"],
+            "argument --epochs: must be an integer from 1 to 1000. "
+            "Received: 'two'",
+        ),
+        (
+            ["demo", "--batch-size", "-4"],
+            "argument --batch-size: must be an integer >= 1. Received: '-4'",
+        ),
+        (
+            ["demo", "--accumulation-steps", "0"],
+            "argument --accumulation-steps: must be an integer >= 1",
+        ),
+        (
+            ["demo", "--devices", "0"],
+            "argument --devices: must be an integer from 1 to 64",
+        ),
+        (["demo", "--seed", "-1"], "argument --seed: must be an integer >= 0"),
+        (
+            ["demo", "--warmup-epochs", "0"],
+            "argument --warmup-epochs: must be a number > 0. Received: '0'",
+        ),
+        (
+            ["demo", "--no-accumulation", "--accumulation-steps", "4"],
+            "--accumulation-steps cannot be combined with --no-accumulation",
+        ),
+        (
+            ["demo", "--no-warmup", "--warmup-epochs", "1"],
+            "--warmup-epochs cannot be combined with --no-warmup",
+        ),
+        (["demo", "--no-such-option"], "unrecognized arguments"),
+        (["report"], "the following arguments are required: RUN.csv"),
+    ],
+)
+def test_bad_options_exit_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "usage: keras-mgpu" in err
+
+
+def test_output_that_is_a_file_is_rejected(tmp_path, capsys):
+    path = tmp_path / "taken"
+    path.write_text("")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--output", str(path)])
+    assert exc.value.code == 2
+    assert "is a file; give a folder" in capsys.readouterr().err
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("demo", "info", "report"):
+        assert command in out
+
+
+def test_python_m_keras_mgpu_exit_code():
+    # `python -m keras_mgpu` is `sys.exit(cli.main())`: the exit code and
+    # message reach the shell.
+    result = _run(["demo", "--epochs", "-3"], timeout=120)
+    assert result.returncode == 2
+    assert "argument --epochs: must be an integer" in result.stderr
+
+
+# ----------------------------------------------------------------------
+# info
+# ----------------------------------------------------------------------
+def test_info(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    for text in (
+        "TensorFlow 2.",
+        "Keras 3.",
+        "flavour keras3",
+        "Physical devices: CPU:0",
+        # conftest.py split the CPU into 4 logical devices.
+        "Logical devices:  CPU:0, CPU:1, CPU:2, CPU:3",
+        "NVML:",
+        "MirroredStrategy",
+        "MultiWorkerMirroredStrategy  model.fit fails in Keras 3",
+    ):
+        assert text in out, out
+
+
+def test_strategy_lines_follow_flavour_and_gpus():
+    keras3 = "\n".join(cli._strategy_lines(False, 0, 2))
+    assert "across logical CPU devices" in keras3
+    assert "keras#20585" in keras3
+    legacy = "\n".join(cli._strategy_lines(True, 4, 1))
+    assert "model.fit across the 4 GPUs" in legacy
+    assert "MultiWorkerMirroredStrategy  model.fit works (tf_keras)" in legacy
+
+
+# ----------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------
+def _write_csv(path, header, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
+def test_report_writes_png_next_to_csv(tmp_path, capsys):
+    run = tmp_path / "run.csv"
+    _write_csv(
+        run,
+        ["epoch", "loss", "accuracy", "learning_rate", "mystery"],
+        [[0, 1.5, 0.4, 0.01, "a"], [1, 0.9, 0.7, 0.02, "b"]],
+    )
+    assert cli.main(["report", str(run)]) == 0
+    png = tmp_path / "run.png"
+    assert _is_png(png)
+    assert f"Report: {png}" in capsys.readouterr().out
+
+    other = tmp_path / "out" / "other.png"
+    assert cli.main(["report", str(run), "-o", str(other)]) == 0
+    assert _is_png(other)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "no such file"),
+        ("", "has no data rows"),
+        ("epoch,foo\n0,1\n", "Found no column to plot"),
+        ("epoch,loss\n0,1,7\n", "line 2 has 3 fields"),
+    ],
+)
+def test_report_errors_exit_1(tmp_path, capsys, content, message):
+    path = tmp_path / "run.csv"
+    if content is not None:
+        path.write_text(content)
+    assert cli.main(["report", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("keras-mgpu report: error: ")
+    assert message in err
+    assert not (tmp_path / "run.png").exists()
+
+
+def test_report_on_a_folder_and_missing_steps(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path)]) == 1
+    assert "is a folder, not a CSVLogger file" in capsys.readouterr().err
+    run = tmp_path / "run.csv"
+    _write_csv(run, ["epoch", "loss"], [[0, 1.0]])
+    assert cli.main(["report", str(run), "--steps", "nope.csv"]) == 1
+    assert "--steps nope.csv: no such file" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------
+# demo, end to end
+# ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    output = tmp_path_factory.mktemp("demo")
+    result = _run(
+        ["demo", "--epochs", str(DEMO_TEST_EPOCHS), "--output", str(output)],
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(output / "summary.json") as f:
+        summary = json.load(f)
+    return output, result, summary
+
+
+def test_demo_trains_across_two_logical_cpus(demo_run):
+    output, result, summary = demo_run
+    assert summary["device_kind"] == "CPU"
+    assert summary["replicas"] == 2
+    assert summary["global_batch_size"] == 32 * 2 * 2
+    assert summary["accumulation_steps"] == 2
+    # 1437 training images // 64 per micro-step = 22 micro-steps an epoch.
+    assert summary["updates"] == DEMO_TEST_EPOCHS * 22 // 2
+    # Linear scaling: 1e-3 at batch 32 -> x4 at 128, reached after warmup.
+    assert summary["learning_rate"] == pytest.approx(4e-3)
+    assert summary["final_learning_rate"] == pytest.approx(4e-3, rel=1e-5)
+    assert summary["final_accuracy"] >= ACCURACY_THRESHOLD
+
+
+def test_demo_prints_progress_table_and_paths(demo_run):
+    output, result, summary = demo_run
+    out = result.stdout
+    assert out.count("] epoch ") == DEMO_TEST_EPOCHS
+    for row in (
+        "devices               2 x logical CPU device under MirroredStrategy",
+        "global batch          128 = 32 per replica x 2 replicas x 2",
+        "accumulation          2 micro-steps per update",
+        "scaled learning rate  0.004 (= 0.001 x 128/32, linear rule)",
+        "warmup                2 epochs, linear",
+        "recompute             on",
+        "final accuracy        ",
+        "peak memory           ",
+        "host process",
+        "time                  ",
+    ):
+        assert row in out, out
+    assert f"Report: {output / 'report.png'}" in out
+    # TensorFlow's C++ notices went to the log file, not the terminal.
+    assert (output / "tensorflow.log").exists()
+
+
+def test_demo_files_and_report_from_its_csv(demo_run, tmp_path):
+    output, _, summary = demo_run
+    assert _is_png(output / "report.png")
+    with open(output / "history.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == DEMO_TEST_EPOCHS
+    keys = set(rows[0])
+    assert {"loss", "accuracy", "val_accuracy", "learning_rate"} <= keys
+    assert "mem/host_rss_mb" in keys
+    assert any(k.startswith("cpu/") for k in keys)  # no GPU: CPU load
+    # The warmup ramp, one row per micro-step after a first row at step 0.
+    with open(output / "history_steps.csv") as f:
+        steps = list(csv.DictReader(f))
+    assert len(steps) == 1 + DEMO_TEST_EPOCHS * 22
+    assert float(steps[0]["learning_rate"]) == 0.0
+    assert float(steps[-1]["learning_rate"]) == pytest.approx(4e-3, rel=1e-5)
+    # `keras-mgpu report` redraws the demo's report from its own CSV.
+    again = tmp_path / "again.png"
+    assert (
+        cli.main(["report", str(output / "history.csv"), "-o", str(again)]) == 0
+    )
+    assert _is_png(again)
+
+
+def test_demo_with_every_component_off(tmp_path):
+    result = _run(
+        [
+            "demo",
+            "--epochs",
+            "1",
+            "--no-accumulation",
+            "--no-warmup",
+            "--no-scaling",
+            "--no-monitors",
+            "--no-recompute",
+            "--output",
+            str(tmp_path),
+        ],
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["accumulation_steps"] == 1
+    assert summary["global_batch_size"] == 64
+    assert summary["updates"] == 22
+    assert summary["learning_rate"] == pytest.approx(1e-3)
+    assert summary["final_learning_rate"] == pytest.approx(1e-3, rel=1e-5)
+    assert summary["recompute"] is False
+    assert summary["peak_memory"] == []
+    assert "scaled learning rate  0.001 (scaling off)" in result.stdout
+    assert "accumulation          off" in result.stdout
+    with open(tmp_path / "history.csv") as f:
+        header = next(csv.reader(f))
+    assert not any(k.startswith(("mem/", "cpu/", "gpu/")) for k in header)
+    assert _is_png(tmp_path / "report.png")

@@ -1,0 +1,79 @@
+"""Strategy helpers: replicas, global batch size, worker identity."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from keras_mgpu import GradientAccumulationOptimizer
+from keras_mgpu._flavour import keras
+from keras_mgpu.distribute import (
+    accumulation_steps_of,
+    global_batch_size,
+    num_replicas_in_sync,
+    worker_info,
+)
+
+REPLICAS = {
+    "default": 1,
+    "one_device": 1,
+    "mirrored_2": 2,
+    "mirrored_4": 4,
+    "central_storage": 2,
+}
+
+
+def test_global_batch_size_under_each_strategy(strategy, strategy_name):
+    replicas = REPLICAS[strategy_name]
+    assert num_replicas_in_sync(strategy) == replicas
+    assert global_batch_size(16, strategy) == 16 * replicas
+    with strategy.scope():
+        assert global_batch_size(16) == 16 * replicas
+        optimizer = GradientAccumulationOptimizer(keras.optimizers.SGD(), 4)
+    assert global_batch_size(16, strategy, optimizer) == 64 * replicas
+
+
+def test_accumulation_steps_read_through_wrappers():
+    inner = GradientAccumulationOptimizer(keras.optimizers.SGD(), 3)
+    assert (
+        accumulation_steps_of(keras.optimizers.LossScaleOptimizer(inner)) == 3
+    )
+    assert accumulation_steps_of(keras.optimizers.SGD()) == 1
+    builtin = keras.optimizers.SGD(gradient_accumulation_steps=5)
+    assert accumulation_steps_of(builtin) == 5
+
+
+@pytest.mark.parametrize(
+    "value, error, message",
+    [
+        (0, ValueError, r"`per_replica_batch_size` must be an integer >= 1"),
+        (8.0, TypeError, r"Received: per_replica_batch_size=8\.0"),
+    ],
+)
+def test_global_batch_size_bad_input(value, error, message):
+    with pytest.raises(error, match=message):
+        global_batch_size(value)
+
+
+def test_worker_info_from_tf_config(monkeypatch):
+    cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        json.dumps(
+            {"cluster": cluster, "task": {"type": "worker", "index": 1}}
+        ),
+    )
+    info = worker_info()
+    assert info == {
+        "task_type": "worker",
+        "task_id": 1,
+        "num_workers": 2,
+        "is_chief": False,
+    }
+
+
+def test_worker_info_single_machine(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert worker_info()["is_chief"] is True
+    assert worker_info()["num_workers"] == 1

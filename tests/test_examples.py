@@ -1,0 +1,117 @@
+"""Every script in examples/ runs (with --quick), so the examples never rot.
+
+Each runs in a process of its own, as a user runs it: the scripts set up
+logical devices (and the tf_keras flavour for TFMOT) before TensorFlow
+starts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(REPO_ROOT, "examples")
+
+
+def _run_example(name: str, tmp_path, timeout: float, env=None, args=()):
+    result = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, name), "--quick", *args],
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            "PYTHONPATH": REPO_ROOT,
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "TF_USE_LEGACY_KERAS": "0",
+            **(env or {}),
+        },
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, (
+        f"{name} exited with {result.returncode}\n--- stdout ---\n"
+        f"{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-3000:]}"
+    )
+    return result.stdout
+
+
+def _number(pattern: str, text: str) -> float:
+    found = re.findall(pattern, text)
+    assert found, f"{pattern!r} not in output:\n{text[-2000:]}"
+    return float(found[-1])
+
+
+def test_every_example_is_tested():
+    scripts = sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".py"))
+    assert scripts == [
+        "custom_training_loop.py",
+        "mirrored_training.py",
+        "multi_worker.py",
+        "tfmot_pruning.py",
+    ]
+
+
+def test_mirrored_training(tmp_path):
+    out = _run_example("mirrored_training.py", tmp_path, timeout=180)
+    assert "2 replicas" in out
+    assert "global batch 256 = 32 per replica x 2 replicas x 4 steps" in out
+    # 2048 samples / 64 per step = 32 steps, 8 updates an epoch, 2 epochs.
+    assert _number(r"updates: (\d+)", out) == 16
+    # Scaled x8 (256 / 32) and warmed up over the first epoch.
+    assert _number(r"final learning rate: ([\d.e-]+)", out) == pytest.approx(
+        8e-3, rel=1e-4
+    )
+    assert _number(r"final validation accuracy: ([\d.]+)", out) > 0.5
+    run = tmp_path / "mirrored_training_run"
+    assert (run / "history.csv").exists()
+    with open(run / "history.png", "rb") as f:
+        assert f.read(4) == b"\x89PNG"
+
+
+def test_custom_training_loop(tmp_path):
+    out = _run_example("custom_training_loop.py", tmp_path, timeout=180)
+    # 32 micro-steps an epoch, 4 per update, 2 epochs.
+    assert "micro-steps: 64, updates (optimizer.iterations): 16" in out
+    assert _number(r"final validation accuracy: ([\d.]+)", out) > 0.5
+
+
+@pytest.mark.slow
+def test_multi_worker_launches_two_local_workers(tmp_path):
+    out = _run_example(
+        "multi_worker.py", tmp_path, timeout=300, args=("--timeout", "240")
+    )
+    assert out.count("TF_CONFIG='") == 2
+    assert '"127.0.0.1:' in out
+    assert "[worker 0] task 0 of 2 workers (chief): 2 replicas" in out
+    assert "[worker 1] task 1 of 2 workers: 2 replicas" in out
+    finals = re.findall(
+        r"\[worker (\d)\] updates: (\d+), final validation accuracy: ([\d.]+)",
+        out,
+    )
+    assert sorted(w for w, _, _ in finals) == ["0", "1"]
+    # 32 micro-steps an epoch, 2 per update, 2 epochs; both workers hold
+    # the same weights, so they measure the same accuracy.
+    assert {u for _, u, _ in finals} == {"32"}
+    assert len({a for _, _, a in finals}) == 1
+    assert float(finals[0][2]) > 0.5
+
+
+def test_tfmot_pruning(tmp_path):
+    pytest.importorskip("tensorflow_model_optimization")
+    out = _run_example(
+        "tfmot_pruning.py",
+        tmp_path,
+        timeout=180,
+        env={"TF_USE_LEGACY_KERAS": "1"},
+    )
+    # 32 steps an epoch, 2 per update, 3 epochs.
+    assert _number(r"updates: (\d+)", out) == 48
+    assert _number(r"sparsity after strip_pruning: ([\d.]+)", out) == (
+        pytest.approx(0.8, abs=0.01)
+    )
+    assert _number(r"accuracy \(pruned model\): ([\d.]+)", out) > 0.3
