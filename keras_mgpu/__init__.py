@@ -4,31 +4,80 @@ Gradient accumulation that is exact under `tf.distribute`, learning-rate
 scaling and warmup counted in optimizer updates, memory and GPU-load monitors
 that log next to the loss, and a recompute-gradient layer wrapper. Built on
 Keras 3 (TensorFlow backend), or on tf_keras when `TF_USE_LEGACY_KERAS=1`.
+
+The names below are loaded on first use (PEP 562), so `import keras_mgpu`
+and the `keras-mgpu` command line start without TensorFlow; the Keras flavour
+is nevertheless fixed by the environment at `import keras_mgpu`.
 """
 
-from keras_mgpu import callbacks, distribute, layers, optimizers, schedules
-from keras_mgpu._flavour import FLAVOUR
-from keras_mgpu.distribute import global_batch_size, num_replicas_in_sync
-from keras_mgpu.layers import RecomputeGrad, apply_recompute, strip_recompute
-from keras_mgpu.optimizers import GradientAccumulationOptimizer
-from keras_mgpu.schedules import Warmup, scaled_learning_rate
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from keras_mgpu import _flavour_switch  # noqa: F401  (fixes the flavour now)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "FLAVOUR",
-    "GradientAccumulationOptimizer",
-    "RecomputeGrad",
-    "Warmup",
-    "__version__",
-    "apply_recompute",
+# Public name -> module that defines it.
+_EXPORTS = {
+    "FLAVOUR": "keras_mgpu._flavour",
+    "GradientAccumulationOptimizer": "keras_mgpu.optimizers",
+    "RecomputeGrad": "keras_mgpu.layers",
+    "Warmup": "keras_mgpu.schedules",
+    "apply_recompute": "keras_mgpu.layers",
+    "global_batch_size": "keras_mgpu.distribute",
+    "num_replicas_in_sync": "keras_mgpu.distribute",
+    "scaled_learning_rate": "keras_mgpu.schedules",
+    "strip_recompute": "keras_mgpu.layers",
+}
+_SUBMODULES = (
     "callbacks",
     "distribute",
-    "global_batch_size",
     "layers",
-    "num_replicas_in_sync",
+    "monitoring",
     "optimizers",
-    "scaled_learning_rate",
     "schedules",
-    "strip_recompute",
-]
+)
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
+
+if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
+    from keras_mgpu import (
+        callbacks,  # noqa: F401
+        distribute,  # noqa: F401
+        layers,  # noqa: F401
+        monitoring,  # noqa: F401
+        optimizers,  # noqa: F401
+        schedules,  # noqa: F401
+    )
+    from keras_mgpu._flavour import FLAVOUR  # noqa: F401
+    from keras_mgpu.distribute import (
+        global_batch_size,  # noqa: F401
+        num_replicas_in_sync,  # noqa: F401
+    )
+    from keras_mgpu.layers import (
+        RecomputeGrad,  # noqa: F401
+        apply_recompute,  # noqa: F401
+        strip_recompute,  # noqa: F401
+    )
+    from keras_mgpu.optimizers import GradientAccumulationOptimizer  # noqa: F401
+    from keras_mgpu.schedules import (
+        Warmup,  # noqa: F401
+        scaled_learning_rate,  # noqa: F401
+    )
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"keras_mgpu.{name}")
+    else:
+        raise AttributeError(f"module 'keras_mgpu' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

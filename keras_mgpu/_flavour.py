@@ -15,18 +15,13 @@ from __future__ import annotations
 
 import os
 
-LEGACY_ENV_VAR = "TF_USE_LEGACY_KERAS"
+from keras_mgpu._flavour_switch import (
+    LEGACY_ENV_VAR,
+    LEGACY_REQUESTED_AT_IMPORT,
+    legacy_keras_requested,  # noqa: F401
+)
 
-
-def legacy_keras_requested(environ: dict | None = None) -> bool:
-    """True when the environment asks TensorFlow for tf_keras."""
-    value = (environ if environ is not None else os.environ).get(
-        LEGACY_ENV_VAR, ""
-    )
-    return value.strip().lower() in ("1", "true", "yes")
-
-
-IS_TF_KERAS: bool = legacy_keras_requested()
+IS_TF_KERAS: bool = LEGACY_REQUESTED_AT_IMPORT
 
 if IS_TF_KERAS:
     try:

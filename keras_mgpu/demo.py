@@ -239,9 +239,9 @@ class StepLogger(keras.callbacks.Callback):
         self._epoch = epoch
 
     def _learning_rate(self) -> float:
-        from keras_mgpu.schedules import _optimizer_lr
+        from keras_mgpu.schedules import current_learning_rate
 
-        return _optimizer_lr.current_learning_rate(self.model.optimizer)
+        return current_learning_rate(self.model.optimizer)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._rows.append(
@@ -266,9 +266,9 @@ class _LogLearningRate(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs is not None and "learning_rate" not in logs:
-            from keras_mgpu.schedules import _optimizer_lr
+            from keras_mgpu.schedules import current_learning_rate
 
-            logs["learning_rate"] = _optimizer_lr.current_learning_rate(
+            logs["learning_rate"] = current_learning_rate(
                 self.model.optimizer
             )
 
@@ -299,7 +299,7 @@ def _peak_memory(history: dict, kind: str, devices: list) -> list:
                 cpu_peak,
                 "TensorFlow allocator, process-wide"
                 if math.isfinite(cpu_peak)
-                else "TensorFlow keeps no CPU allocator statistics here",
+                else "not kept by TensorFlow on this CPU",
             )
         )
     rows.append(("host process", peak("mem/host_rss_mb"), "resident (RSS)"))

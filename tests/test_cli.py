@@ -219,7 +219,14 @@ def test_report_on_a_folder_and_missing_steps(tmp_path, capsys):
 def demo_run(tmp_path_factory):
     output = tmp_path_factory.mktemp("demo")
     result = _run(
-        ["demo", "--epochs", str(DEMO_TEST_EPOCHS), "--output", str(output)],
+        [
+            "demo",
+            "--cpu",  # 2 logical CPU devices, with or without GPUs
+            "--epochs",
+            str(DEMO_TEST_EPOCHS),
+            "--output",
+            str(output),
+        ],
         timeout=240,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -292,6 +299,7 @@ def test_demo_with_every_component_off(tmp_path):
     result = _run(
         [
             "demo",
+            "--cpu",
             "--epochs",
             "1",
             "--no-accumulation",

@@ -27,6 +27,9 @@ def _run_example(name: str, tmp_path, timeout: float, env=None, args=()):
             "PYTHONPATH": REPO_ROOT,
             "TF_CPP_MIN_LOG_LEVEL": "2",
             "TF_USE_LEGACY_KERAS": "0",
+            # The CPU path (2 logical devices) on every machine, so the
+            # replica counts below hold with or without GPUs.
+            "CUDA_VISIBLE_DEVICES": "-1",
             **(env or {}),
         },
         capture_output=True,

@@ -45,12 +45,18 @@ def test_import_needs_no_optional_dependency_and_extras_are_named():
         "    _prune_low_magnitude_class()\n"
         "except ImportError as exc:\n"
         "    print('tfmot:', exc)\n"
+        "from keras_mgpu.monitoring import NvmlBackend, BackendUnavailable\n"
+        "try:\n"
+        "    NvmlBackend().open()\n"
+        "except BackendUnavailable as exc:\n"
+        "    print('gpu:', exc)\n"
     )
     result = _python(code)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "imported keras3" in result.stdout
     assert "keras-mgpu[plot]" in result.stdout
     assert "keras-mgpu[tfmot]" in result.stdout
+    assert "keras-mgpu[gpu]" in result.stdout
 
 
 def test_legacy_flavour_without_tf_keras_names_the_extra():

@@ -11,7 +11,7 @@ from keras_mgpu.monitoring.backend import BackendUnavailable
 from keras_mgpu.monitoring.host_backend import HostBackend
 from keras_mgpu.monitoring.log_keys import make_key, worker_prefix
 from keras_mgpu.monitoring.notices import Notices
-from keras_mgpu.monitoring.nvml_backend import INSTALL_HINT, NvmlBackend
+from keras_mgpu.monitoring.nvml_backend import NvmlBackend
 from keras_mgpu.monitoring.sampler import Sampler, training_frame
 from keras_mgpu.monitoring.tf_memory import (
     logical_to_physical_gpu,
@@ -211,10 +211,11 @@ class GPULoadMonitor(keras.callbacks.Callback):
             reason = str(exc)
         except Exception as exc:  # a monitor never fails training
             reason = f"{type(exc).__name__}: {exc}"
-        hint = f" ({INSTALL_HINT})" if "not installed" not in reason else ""
+        # The reason names what is missing: the `gpu` extra (pynvml not
+        # installed) or the NVIDIA driver (NVML could not start).
         self._notices.warn(
             "nogpu",
-            f"GPULoadMonitor: no GPU figures: {reason}{hint}. Logging CPU "
+            f"GPULoadMonitor: no GPU figures: {reason}. Logging CPU "
             "utilization per core from psutil instead (keys cpu/...).",
         )
         try:

@@ -190,9 +190,11 @@ class MemoryMonitor(keras.callbacks.Callback):
                 )
             else:
                 note = (
-                    "statistics are not available (oneDNN is off: "
-                    "TF_ENABLE_ONEDNN_OPTS=0 or unsupported CPU); only the "
-                    "psutil host figures are logged"
+                    "statistics are not available: TensorFlow keeps them on "
+                    "CPU only with oneDNN on, which is off by default on "
+                    "many CPUs (set TF_ENABLE_ONEDNN_OPTS=1 before "
+                    "TensorFlow starts); only the psutil host figures are "
+                    "logged"
                 )
             self._notices.warn(
                 f"cpu:{self._host_tf}",

@@ -107,8 +107,11 @@ class NvmlBackend:
             try:
                 nvml.nvmlInit()
             except Exception as exc:  # NVMLError_LibraryNotFound, ...
+                # nvidia-ml-py is installed (we got this far): what is
+                # missing is the driver's NVML library, or a GPU.
                 raise BackendUnavailable(
-                    f"NVML could not start ({type(exc).__name__}: {exc})"
+                    f"NVML could not start ({type(exc).__name__}: {exc}); "
+                    "no NVIDIA driver or GPU on this machine?"
                 ) from exc
             self._initialised = True
         try:
