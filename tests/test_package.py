@@ -60,7 +60,10 @@ def test_import_needs_no_optional_dependency_and_extras_are_named():
 
 
 def test_legacy_flavour_without_tf_keras_names_the_extra():
-    code = _BLOCK_OPTIONAL + "import keras_mgpu\n"
+    # `import keras_mgpu` is lazy; the first component used loads the flavour.
+    code = _BLOCK_OPTIONAL + (
+        "import keras_mgpu\nkeras_mgpu.GradientAccumulationOptimizer\n"
+    )
     result = _python(code, env={"TF_USE_LEGACY_KERAS": "1"})
     assert result.returncode != 0
     assert "keras-mgpu[tfmot]" in result.stderr

@@ -40,7 +40,7 @@ def test_scales_from_strategy_and_accumulation(strategy, strategy_name):
         x,
         y,
         batch_size=per_replica * replicas,
-        epochs=1,
+        epochs=2,
         verbose=0,
         callbacks=[scaler],
     )
