@@ -1,20 +1,29 @@
 """Benchmark: activation memory and step time of RecomputeGrad policies.
 
-A deep stack of residual-free MLP blocks (Dense 4w ReLU, Dense w,
-LayerNormalization), trained with `train_on_batch`, for three cases:
-no recompute, per-block recompute (`apply_recompute(model, blocks)`) and the
-sqrt(n) segment policy (`apply_recompute(model, blocks, policy="sqrt")`).
-Each case runs in a subprocess of its own so peak figures do not mix.
+A deep stack of MLP blocks (Dense 4w ReLU, Dense w, LayerNormalization),
+trained with `train_on_batch`, in three cases: no recompute, per-block
+recompute (`apply_recompute(model, blocks)`) and the sqrt(n) segment policy
+(`apply_recompute(model, blocks, policy="sqrt")`).
 
-Memory: the TensorFlow allocator's peak during the timed steps minus what was
-in use before them (weights, optimizer slots), from
+Step time: the three models live in one process and their steps are
+interleaved round by round (none, per_block, sqrt, none, ...), so a busy
+machine slows all three alike; the median step of each is reported.
+
+Memory: each case runs alone in a subprocess so peaks do not mix. The
+figure is the TensorFlow allocator's peak during the measured steps minus
+what was resident before them (weights, optimizer slots), from
 `tf.config.experimental.get_memory_info` on "GPU:0" when a GPU is present,
-otherwise on "CPU:0" (available while oneDNN is on); plus the process peak RSS
-(`ru_maxrss`) for reference. Prints one JSON line per case, then one line of
-ratios against the no-recompute case.
+otherwise on "CPU:0". TensorFlow keeps CPU allocator statistics only with
+oneDNN on, so the memory subprocesses run with `TF_ENABLE_ONEDNN_OPTS=1`.
+The process's peak RSS growth is reported beside it (coarse on CPU: freed
+memory is not always returned to the system).
+
+Prints one JSON line per case, then one line of ratios per policy against
+no recompute, with the issue's targets (sqrt policy: memory <= 0.5, step
+time <= 1.4).
 
     python benchmarks/bench_recompute.py            # 24 blocks, width 256
-    python benchmarks/bench_recompute.py --quick    # 16 blocks, width 128
+    python benchmarks/bench_recompute.py --quick    # 12 blocks, width 128
     python benchmarks/bench_recompute.py --blocks 48 --width 512 --batch 512
 """
 
@@ -23,9 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CASES = ("none", "per_block", "sqrt")
 
@@ -35,17 +49,13 @@ def _current_rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_case(args: argparse.Namespace) -> dict:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import resource
-
+def build_model(case: str, args: argparse.Namespace):
+    """The stack for `case`, compiled; same initial weights for every case."""
     import numpy as np
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from keras_mgpu._flavour import keras, tf
+    from keras_mgpu._flavour import keras
     from keras_mgpu.layers import apply_recompute
 
-    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
     keras.utils.set_random_seed(0)
     w = args.width
     blocks = [
@@ -66,52 +76,86 @@ def run_case(args: argparse.Namespace) -> dict:
     def is_block(layer):
         return layer.name.startswith("block_")
 
-    if args.case == "per_block":
+    if case == "per_block":
         model = apply_recompute(model, layers=is_block)
-    elif args.case == "sqrt":
+    elif case == "sqrt":
         model = apply_recompute(model, layers=is_block, policy="sqrt")
     model.compile(optimizer="sgd", loss="mse")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.batch, w)).astype("float32")
     y = rng.normal(size=(args.batch, 1)).astype("float32")
+    wrappers = sum(
+        type(layer).__name__ == "RecomputeGrad" for layer in model.layers
+    )
+    return model, x, y, wrappers
+
+
+def _step(model, x, y) -> None:
+    import numpy as np
+
+    loss = model.train_on_batch(x, y)
+    float(np.asarray(loss).ravel()[0])  # wait for the step to finish
+
+
+def memory_child(args: argparse.Namespace) -> dict:
+    """Peak memory of one case, alone in this process."""
+    from keras_mgpu._flavour import tf
+
+    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    model, x, y, wrappers = build_model(args.child, args)
     rss_before = _current_rss()
-    model.train_on_batch(x, y)  # trace and warm up
-    model.train_on_batch(x, y)
+    _step(model, x, y)  # trace and warm up
+    _step(model, x, y)
     try:
         tf.config.experimental.reset_memory_stats(device)
         before = tf.config.experimental.get_memory_info(device)["current"]
-    except ValueError:
-        # CPU allocator stats are unavailable when oneDNN is off (and cannot
-        # be reset): fall back to the process RSS below.
+    except ValueError:  # no allocator statistics (oneDNN off on CPU)
         before = None
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        loss = model.train_on_batch(x, y)
-        float(np.asarray(loss).ravel()[0])  # wait for the step
-        times.append(time.perf_counter() - start)
+    for _ in range(args.memory_steps):
+        _step(model, x, y)
     peak = None
     if before is not None:
         peak = tf.config.experimental.get_memory_info(device)["peak"] - before
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
-        "case": args.case,
         "device": device,
-        "blocks": args.blocks,
-        "width": w,
-        "batch": args.batch,
-        "wrappers": sum(
-            type(layer).__name__ == "RecomputeGrad" for layer in model.layers
-        ),
-        # Allocator peak of a step above what was resident before it
-        # (None where the allocator gives no stats).
-        "step_peak_mib": None if peak is None else round(peak / 2**20, 2),
-        # Process peak RSS above the RSS after building the model: the
-        # activations plus tracing overhead (the CPU measure).
+        "wrappers": wrappers,
+        "step_peak_mib": None if peak is None else round(peak / 2**20, 1),
         "rss_growth_mib": round((rss - rss_before) / 2**20, 1),
-        "step_time_ms": round(1000 * float(np.median(times)), 2),
-        "peak_rss_mib": round(rss / 2**20, 1),
     }
+
+
+def time_cases(args: argparse.Namespace) -> dict:
+    """Median step time of each case, steps interleaved across cases."""
+    models = {case: build_model(case, args) for case in CASES}
+    for model, x, y, _ in models.values():
+        _step(model, x, y)  # trace
+        _step(model, x, y)
+    times: dict = {case: [] for case in CASES}
+    for round_index in range(args.rounds):
+        # Rotate the order so no case always follows the same one.
+        order = CASES[round_index % 3 :] + CASES[: round_index % 3]
+        for case in order:
+            model, x, y, _ = models[case]
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                _step(model, x, y)
+                times[case].append(time.perf_counter() - start)
+    return {case: statistics.median(t) for case, t in times.items()}
+
+
+def _run_memory_child(case: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", case]
+    for name in ("blocks", "width", "batch", "memory_steps"):
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "1"}
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, check=False, env=env
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return {"error": out.stderr[-2000:]}
+    return json.loads(lines[-1])
 
 
 def main() -> None:
@@ -119,61 +163,54 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=24)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4, help="per round")
+    parser.add_argument("--memory-steps", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
-        args.blocks, args.width, args.batch, args.steps = 16, 128, 1024, 3
-    if args.case:  # child process
-        print(json.dumps(run_case(args)))
+        args.blocks, args.width, args.batch = 12, 128, 512
+        args.rounds, args.steps = 3, 2
+    if args.child:
+        print(json.dumps(memory_child(args)))
         return
-    results = {}
+    memory = {case: _run_memory_child(case, args) for case in CASES}
+    step_times = time_cases(args)
+    rows = {}
     for case in CASES:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--case",
-            case,
-            "--blocks",
-            str(args.blocks),
-            "--width",
-            str(args.width),
-            "--batch",
-            str(args.batch),
-            "--steps",
-            str(args.steps),
-        ]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-        if out.returncode != 0 or not lines:
-            print(json.dumps({"case": case, "error": out.stderr[-2000:]}))
-            continue
-        results[case] = json.loads(lines[-1])
-        print(lines[-1], flush=True)
-    base = results.get("none")
+        rows[case] = {
+            "case": case,
+            "blocks": args.blocks,
+            "width": args.width,
+            "batch": args.batch,
+            "step_time_ms": round(1000 * step_times[case], 2),
+            **memory[case],
+        }
+        print(json.dumps(rows[case]), flush=True)
+    base = rows["none"]
     for case in ("per_block", "sqrt"):
-        if base is None or case not in results:
+        row = rows[case]
+        if "error" in row or "error" in base:
             continue
-        r = results[case]
         key = "step_peak_mib" if base["step_peak_mib"] else "rss_growth_mib"
-        mem = r[key] / max(base[key], 1e-9)
-        slow = r["step_time_ms"] / max(base["step_time_ms"], 1e-9)
+        memory_ratio = row[key] / max(base[key], 1e-9)
+        time_ratio = row["step_time_ms"] / max(base["step_time_ms"], 1e-9)
         print(
             json.dumps(
                 {
                     "ratio": f"{case}/none",
                     "memory_measure": key,
-                    "memory": round(mem, 3),
-                    "step_time": round(slow, 3),
-                    "peak_rss": round(
-                        r["peak_rss_mib"] / base["peak_rss_mib"], 3
-                    ),
-                    "target_met": bool(mem <= 0.5 and slow <= 1.4)
+                    "memory": round(memory_ratio, 3),
+                    "step_time": round(time_ratio, 3),
+                    "target_met": bool(
+                        memory_ratio <= 0.5 and time_ratio <= 1.4
+                    )
                     if case == "sqrt"
                     else None,
                 }
-            )
+            ),
+            flush=True,
         )
 
 

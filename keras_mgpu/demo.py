@@ -268,9 +268,7 @@ class _LogLearningRate(keras.callbacks.Callback):
         if logs is not None and "learning_rate" not in logs:
             from keras_mgpu.schedules import current_learning_rate
 
-            logs["learning_rate"] = current_learning_rate(
-                self.model.optimizer
-            )
+            logs["learning_rate"] = current_learning_rate(self.model.optimizer)
 
 
 def _peak_memory(history: dict, kind: str, devices: list) -> list:

@@ -93,6 +93,9 @@ def strategy_name(strategy, request) -> str:
     return request.node.callspec.params["strategy"]
 
 
+_FLAVOUR_AT_START = os.environ.get("TF_USE_LEGACY_KERAS")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_keras_session():
     """Clear Keras state and seed every RNG before each test."""
@@ -100,3 +103,16 @@ def _fresh_keras_session():
     keras.utils.set_random_seed(1234)
     yield
     keras.backend.clear_session()
+    # `import tensorflow_model_optimization` sets TF_USE_LEGACY_KERAS=1 in
+    # os.environ; every later subprocess (workers, examples) would inherit
+    # the other flavour. Put the session's value back and say who did it.
+    if os.environ.get("TF_USE_LEGACY_KERAS") != _FLAVOUR_AT_START:
+        if _FLAVOUR_AT_START is None:
+            os.environ.pop("TF_USE_LEGACY_KERAS", None)
+        else:
+            os.environ["TF_USE_LEGACY_KERAS"] = _FLAVOUR_AT_START
+        pytest.fail(
+            "This test changed TF_USE_LEGACY_KERAS in os.environ (did it "
+            "import tensorflow_model_optimization in-process?); restored.",
+            pytrace=False,
+        )

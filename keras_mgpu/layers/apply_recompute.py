@@ -11,6 +11,8 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
+import numpy as np
+
 from keras_mgpu._flavour import IS_TF_KERAS, check_flavour, keras
 from keras_mgpu._validation import check_choice
 from keras_mgpu.layers.recompute_grad import RecomputeGrad
@@ -214,19 +216,59 @@ def _rebuild_chain(model: Any, new_layers: list, name: str) -> Any:
     return keras.Model(inputs, outputs, name=name)
 
 
+def _is_container(layer: Any) -> bool:
+    """A `Sequential` or functional model: its weights are its layers'."""
+    if isinstance(layer, keras.Sequential):
+        return True
+    return any(k.__name__ == "Functional" for k in type(layer).__mro__)
+
+
+def _weight_units(layer: Any) -> list:
+    """The layers that own weights, in order, seen through the wrappers and
+    containers that `apply_recompute` / `strip_recompute` add or remove.
+
+    Carrying weights unit by unit (not over `model.weights` as a flat list)
+    keeps them right when a rebuild changes how a container orders its
+    weights: a tf_keras wrapper lists every trainable weight of its block
+    before the non-trainable ones, the unwrapped block lists them layer by
+    layer.
+    """
+    if isinstance(layer, RecomputeGrad):
+        return _weight_units(layer.layer)
+    if _is_container(layer):
+        units = []
+        for sub in layer.layers:
+            if not _is_input_layer(sub):
+                units.extend(_weight_units(sub))
+        return units
+    return [layer] if layer.weights else []
+
+
 def _carry_weights(source: Any, target: Any) -> None:
-    if not source.built or not source.weights:
+    if not source.built:
         return
-    weights = source.get_weights()
-    shapes = [tuple(w.shape) for w in target.weights]
-    if len(shapes) != len(weights) or any(
-        s != w.shape for s, w in zip(shapes, weights, strict=True)
-    ):
+    sources, targets = _weight_units(source), _weight_units(target)
+    if len(sources) != len(targets):
         raise ValueError(  # pragma: no cover - a bug, not user input
-            f"Rebuilding model {source.name!r} changed its weight layout; "
+            f"Rebuilding model {source.name!r} changed its layers "
+            f"({len(sources)} layers with weights became {len(targets)}); "
             "cannot carry the weights over."
         )
-    target.set_weights(weights)
+    for old, new in zip(sources, targets, strict=True):
+        # `weights`, not `get_weights()`: TFMOT's pruning wrapper leaves its
+        # mask, threshold and step out of `get_weights()`.
+        weights = [np.asarray(w.numpy()) for w in old.weights]
+        shapes = [tuple(w.shape) for w in new.weights]
+        if type(old) is not type(new) or shapes != [w.shape for w in weights]:
+            raise ValueError(  # pragma: no cover - a bug, not user input
+                f"Rebuilding model {source.name!r} changed layer "
+                f"{old.name!r} ({type(old).__name__}, weight shapes "
+                f"{[w.shape for w in weights]}) into {new.name!r} "
+                f"({type(new).__name__}, {shapes}); cannot carry the "
+                "weights over."
+            )
+        for variable, value in zip(new.weights, weights, strict=True):
+            variable.assign(value)
 
 
 def apply_recompute(

@@ -72,6 +72,19 @@ def _replayed_state_variables(layer: Any) -> list:
     ]
 
 
+def _tf_keras_state_variables(layer: Any) -> list:
+    """tf_keras: the variables the recomputation must not leave changed.
+
+    tf_keras has no `StatelessScope`: running the block again in the
+    backward pass runs its assignments again (BatchNormalization moving
+    statistics, TFMOT's pruning step and mask updates, any counter). These
+    are the block's non-trainable variables; the recomputation starts from
+    their values before the forward pass and leaves them as the forward pass
+    left them, so each update happens once per step.
+    """
+    return list(layer.non_trainable_variables)
+
+
 def _tf_keras_random_layers(layer: Any) -> list:
     """tf_keras sublayers that draw random numbers (`BaseRandomLayer`).
 
@@ -92,9 +105,11 @@ def _tf_keras_random_layers(layer: Any) -> list:
 # ---------------------------------------------------------------------------
 
 
-def _accepts_mask(layer: Any) -> bool:
+def _accepts(layer: Any, argument: str) -> bool:
+    """Whether `layer.call` names `argument` (Keras's own test for passing
+    `training` and `mask`)."""
     try:
-        return "mask" in inspect.signature(layer.call).parameters
+        return argument in inspect.signature(layer.call).parameters
     except (TypeError, ValueError):  # pragma: no cover - builtins
         return False
 
@@ -118,8 +133,12 @@ class RecomputeGrad(keras.layers.Wrapper):
       exactly the gradients of the unwrapped block.
     - Stateful updates happen once: `BatchNormalization` moving statistics
       (and every other variable assignment) are applied by the forward pass
-      only; the recomputation runs in a `keras.StatelessScope` that discards
-      them.
+      only. Keras 3: the recomputation runs in a `keras.StatelessScope` that
+      discards them. tf_keras: the recomputation starts from the block's
+      non-trainable variables as they were before the forward pass and puts
+      them back as the forward pass left them (so TFMOT pruning steps and
+      masks advance once per step); this holds a transient copy of those
+      variables per wrapped block during the backward pass.
     - `training`, masks and extra call arguments are passed through.
       Floating-point tensor arguments are differentiated; others (masks,
       integer ids) are passed as they are.
@@ -187,7 +206,13 @@ class RecomputeGrad(keras.layers.Wrapper):
             kwargs["dtype"] = policy if policy is not None else layer.dtype
         super().__init__(layer, **kwargs)
         self.supports_masking = bool(getattr(layer, "supports_masking", False))
-        self._layer_accepts_mask = _accepts_mask(layer)
+        if IS_TF_KERAS:
+            # `call` attaches the masks the forward pass computed. Without
+            # this flag tf_keras asks `compute_mask` again, which for a
+            # Sequential or functional block runs the whole block once more.
+            self._compute_output_and_mask_jointly = True
+        self._layer_accepts_mask = _accepts(layer, "mask")
+        self._layer_accepts_training = _accepts(layer, "training")
 
     def build(self, input_shape: Any = None) -> None:
         if not self.layer.built:
@@ -197,6 +222,21 @@ class RecomputeGrad(keras.layers.Wrapper):
 
     def compute_output_shape(self, input_shape: Any) -> Any:
         return self.layer.compute_output_shape(input_shape)
+
+    if not IS_TF_KERAS:
+
+        def compute_output_spec(
+            self, inputs: Any, training=None, mask=None, **kwargs
+        ) -> Any:
+            # Keras 3 builds functional models symbolically; ask the wrapped
+            # layer, which knows how (its own `compute_output_shape` or a
+            # symbolic run of its `call`), even when it has no
+            # `compute_output_shape` of its own.
+            if training is not None and self._layer_accepts_training:
+                kwargs["training"] = training
+            if mask is not None and self._layer_accepts_mask:
+                kwargs["mask"] = mask
+            return self.layer.compute_output_spec(inputs, **kwargs)
 
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
         return self.layer.compute_mask(inputs, mask)
@@ -234,8 +274,12 @@ class RecomputeGrad(keras.layers.Wrapper):
         # random numbers as the forward did (see _replayed_state_variables).
         # Under tf.function the reads are ordered before the forward's
         # assignments by automatic control dependencies (program order).
-        replayed = [] if IS_TF_KERAS else _replayed_state_variables(self.layer)
-        snapshot = [tf.identity(v.value) for v in replayed]
+        if IS_TF_KERAS:
+            replayed = _tf_keras_state_variables(self.layer)
+            snapshot = [tf.identity(v) for v in replayed]
+        else:
+            replayed = _replayed_state_variables(self.layer)
+            snapshot = [tf.identity(v.value) for v in replayed]
         out_info = {}
 
         @tf.custom_gradient
@@ -276,6 +320,15 @@ class RecomputeGrad(keras.layers.Wrapper):
             if getattr(v, "trainable", True)
             and tf.as_dtype(v.dtype).is_floating
         ]
+        restore = []
+        if IS_TF_KERAS and state_mapping:
+            # Start from the pre-forward state; put the post-forward state
+            # back afterwards (see _tf_keras_state_variables). Under
+            # tf.function, automatic control dependencies order these
+            # assignments around the recomputation's reads and writes.
+            restore = [(v, tf.identity(v)) for v, _ in state_mapping]
+            for variable, before in state_mapping:
+                variable.assign(before)
         with tf.GradientTape() as tape:
             args = [tf.identity(a) for a in diff_args]
             if not tf.executing_eagerly() and output_grads:
@@ -298,6 +351,10 @@ class RecomputeGrad(keras.layers.Wrapper):
             output_gradients=list(output_grads),
             unconnected_gradients=tf.UnconnectedGradients.ZERO,
         )
+        if restore:
+            with tf.control_dependencies(tf.nest.flatten(outputs)):
+                for variable, after in restore:
+                    variable.assign(after)
         arg_grads = grads[: len(args)]
         var_part = grads[len(args) :]
         by_ref = {v.ref(): g for v, g in zip(watched, var_part, strict=True)}
@@ -307,8 +364,9 @@ class RecomputeGrad(keras.layers.Wrapper):
     @staticmethod
     def _recompute_scope(state_mapping):
         if IS_TF_KERAS:
-            # tf_keras has no StatelessScope; stochastic layers are rejected
-            # at construction. TODO: BatchNormalization updates twice here.
+            # tf_keras has no StatelessScope: state is restored around the
+            # recomputation instead; stochastic layers are rejected at
+            # construction.
             return contextlib.nullcontext()
         return keras.StatelessScope(
             state_mapping=state_mapping, initialize_variables=False

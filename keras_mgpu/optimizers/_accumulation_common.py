@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keras_mgpu._flavour import tf
+from keras_mgpu._flavour import keras, tf
 
 # Base-optimizer arguments both flavours' wrappers refuse: they belong on the
 # inner optimizer, which applies them once per real update.
@@ -77,6 +77,36 @@ def check_inner_is_not_a_wrapper(
         )
 
 
+def check_momentum_correction(
+    momentum_correction: Any, inner_optimizer: Any
+) -> bool:
+    """Validate `momentum_correction` against the inner optimizer."""
+    if not isinstance(momentum_correction, bool):
+        raise TypeError(
+            "Argument `momentum_correction` must be a bool. Received: "
+            f"momentum_correction={momentum_correction!r} (of type "
+            f"{type(momentum_correction).__name__})"
+        )
+    if not momentum_correction:
+        return False
+    momentum = getattr(inner_optimizer, "momentum", 0.0)
+    if not isinstance(inner_optimizer, keras.optimizers.SGD) or not momentum:
+        raise ValueError(
+            "Argument `momentum_correction=True` needs an SGD inner optimizer "
+            "with momentum > 0: Keras's SGD keeps the learning rate inside "
+            "its velocity, which the correction rescales when the rate "
+            "changes. Other optimizers apply the rate after their moment "
+            "estimates and need no correction. Received: inner_optimizer="
+            f"{type(inner_optimizer).__name__}"
+            + (
+                f"(momentum={momentum})"
+                if hasattr(inner_optimizer, "momentum")
+                else ""
+            )
+        )
+    return True
+
+
 class AccumulationProtocol:
     """Mixin: counters, pass-throughs and the per-micro-step protocol.
 
@@ -127,6 +157,41 @@ class AccumulationProtocol:
     def finalize_variable_values(self, var_list: list) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
 
+    def _correct_momentum(self) -> None:
+        """Momentum correction (Goyal et al., 2017, section 2.1).
+
+        Keras's SGD velocity is `v = m*v - lr*g`: it carries the learning
+        rate of past updates. When the rate changes from `lr_prev` to `lr`,
+        scaling `v` by `lr / lr_prev` before the update makes the step equal
+        to the rate-free form `u = m*u + g; w -= lr*u`, so a warmup or a
+        decay does not drag the old rate along. Cross-replica context (or no
+        strategy): the velocity and `previous_learning_rate` are mirrored
+        and updated once, identically everywhere.
+        """
+        if not self.momentum_correction:
+            return
+        from keras_mgpu.schedules._optimizer_lr import (
+            evaluate_lr,
+            get_lr_object,
+        )
+
+        owner = self.inner_optimizer
+        rate = tf.cast(evaluate_lr(owner, get_lr_object(owner)), tf.float32)
+        previous = self._previous_learning_rate
+        # The first update (previous 0: no velocity yet) is left alone.
+        ratio = tf.where(
+            previous > 0.0, tf.math.divide_no_nan(rate, previous), 1.0
+        )
+        for velocity in owner.momentums:
+            velocity.assign(velocity * tf.cast(ratio, velocity.dtype))
+        previous.assign(rate)
+
+    @property
+    def previous_learning_rate(self) -> Any:
+        """The learning rate of the last update (with `momentum_correction`),
+        or None."""
+        return getattr(self, "_previous_learning_rate", None)
+
     def _window_complete(self) -> tf.Tensor:
         return self._pending_steps >= self.accumulation_steps
 
@@ -142,11 +207,11 @@ class AccumulationProtocol:
                 self._skipped_updates.assign_add(1)
                 self._reset(accumulators)
 
-            tf.cond(
-                finite,
-                lambda: self._apply_to_inner(grads, variables, accumulators),
-                skip,
-            )
+            def apply_update():
+                self._correct_momentum()
+                self._apply_to_inner(grads, variables, accumulators)
+
+            tf.cond(finite, apply_update, skip)
             self._pending_steps.assign(0)
 
         tf.cond(self._window_complete(), update, lambda: None)
@@ -180,6 +245,7 @@ class AccumulationProtocol:
             )[0]
 
             def apply_update():
+                self._correct_momentum()
                 extended.call_for_each_replica(
                     lambda grads: self._apply_to_inner(
                         grads, variables, accumulators

@@ -14,6 +14,7 @@ from keras_mgpu.optimizers._accumulation_common import (
     AccumulationProtocol,
     all_finite,
     check_inner_is_not_a_wrapper,
+    check_momentum_correction,
     reject_wrapper_arguments,
 )
 
@@ -165,6 +166,15 @@ class GradientAccumulationOptimizer(
             the accumulated gradients. Its `learning_rate`, weight decay,
             clipping and EMA settings are used once per update.
         accumulation_steps: int >= 1. Micro-batches per update.
+        momentum_correction: bool (default False). With an SGD inner
+            optimizer with momentum, rescale its velocity by
+            `new_rate / previous_rate` whenever the learning rate changes
+            (warmup, decay, `ReduceLROnPlateau`), as Goyal et al. (2017)
+            recommend for large-batch training. Keras's SGD keeps the rate
+            inside the velocity; without the correction a rate change takes
+            effect only gradually. Use `accumulation_steps=1` to get the
+            correction without accumulation. The last rate is kept in the
+            optimizer variable `previous_learning_rate` (checkpointed).
         name: Optional name; defaults to a name derived from the class.
 
     Example:
@@ -188,6 +198,7 @@ class GradientAccumulationOptimizer(
         inner_optimizer: keras.optimizers.Optimizer,
         accumulation_steps: int,
         name: str | None = None,
+        momentum_correction: bool = False,
         **kwargs: Any,
     ) -> None:
         reject_wrapper_arguments(kwargs, _INNER_ONLY_ARGUMENTS)
@@ -195,7 +206,11 @@ class GradientAccumulationOptimizer(
             accumulation_steps, "accumulation_steps", minimum=1
         )
         self._check_inner(inner_optimizer)
+        momentum_correction = check_momentum_correction(
+            momentum_correction, inner_optimizer
+        )
         super().__init__(learning_rate=0.0, name=name)
+        self.momentum_correction = momentum_correction
         self.inner_optimizer = inner_optimizer
         self.accumulation_steps = accumulation_steps
         # Loss scaling belongs to the outermost optimizer, as with
@@ -251,6 +266,13 @@ class GradientAccumulationOptimizer(
             aggregation="only_first_replica",
             name="skipped_updates",
         )
+        if self.momentum_correction:
+            self._previous_learning_rate = self.add_variable(
+                shape=(),
+                dtype="float32",
+                aggregation="only_first_replica",
+                name="previous_learning_rate",
+            )
         self._accumulators = [
             self._add_accumulator(variable) for variable in var_list
         ]
@@ -432,6 +454,7 @@ class GradientAccumulationOptimizer(
             "name": self.name,
             "inner_optimizer": inner_config,
             "accumulation_steps": self.accumulation_steps,
+            "momentum_correction": self.momentum_correction,
         }
 
     @classmethod

@@ -15,6 +15,7 @@ from keras_mgpu.optimizers._accumulation_common import (
     AccumulationProtocol,
     all_finite,
     check_inner_is_not_a_wrapper,
+    check_momentum_correction,
     reject_wrapper_arguments,
 )
 
@@ -98,6 +99,10 @@ class GradientAccumulationOptimizer(
             gradients. Its learning rate, weight decay, clipping and EMA
             settings are used once per update.
         accumulation_steps: int >= 1. Micro-batches per update.
+        momentum_correction: bool (default False). With an SGD inner
+            optimizer with momentum, rescale its velocity by
+            `new_rate / previous_rate` when the learning rate changes
+            (Goyal et al., 2017); see the Keras 3 class.
         name: Optional name. Defaults to "GradientAccumulationOptimizer".
 
     Example:
@@ -123,6 +128,7 @@ class GradientAccumulationOptimizer(
         inner_optimizer: keras.optimizers.Optimizer,
         accumulation_steps: int,
         name: str | None = None,
+        momentum_correction: bool = False,
         **kwargs: Any,
     ) -> None:
         # Written by get_config so tf_keras's deserializer picks the new
@@ -133,9 +139,13 @@ class GradientAccumulationOptimizer(
             accumulation_steps, "accumulation_steps", minimum=1
         )
         self._check_inner(inner_optimizer)
+        momentum_correction = check_momentum_correction(
+            momentum_correction, inner_optimizer
+        )
         super().__init__(
             name=name or "GradientAccumulationOptimizer", jit_compile=False
         )
+        self.momentum_correction = momentum_correction
         self.inner_optimizer = inner_optimizer
         self.accumulation_steps = accumulation_steps
         self._accumulators: list = []
@@ -175,6 +185,10 @@ class GradientAccumulationOptimizer(
         self._skipped_updates = self.add_variable(
             shape=(), dtype=tf.int64, name="skipped_updates"
         )
+        if self.momentum_correction:
+            self._previous_learning_rate = self.add_variable(
+                shape=(), dtype=tf.float32, name="previous_learning_rate"
+            )
         self._accumulators = [
             self._add_accumulator(variable) for variable in var_list
         ]
@@ -350,6 +364,7 @@ class GradientAccumulationOptimizer(
             "name": self.name,
             "inner_optimizer": keras.optimizers.serialize(self.inner_optimizer),
             "accumulation_steps": self.accumulation_steps,
+            "momentum_correction": self.momentum_correction,
             # Tells tf_keras's `optimizers.deserialize` this is a new-style
             # (v2.11+) optimizer.
             "is_legacy_optimizer": False,

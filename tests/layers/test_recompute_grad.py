@@ -281,3 +281,21 @@ def test_multi_worker_custom_loop_matches_unwrapped():
         assert result["max_weight_diff"] <= 1e-5, result
         assert result["replicas"] == 2
     np.testing.assert_allclose(results[0]["losses"], results[1]["losses"])
+
+
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored_2"])
+def test_stateful_updates_run_once_per_step_in_fit(strategy_name):
+    # A counter and BatchNormalization inside a wrapped Sequential block:
+    # the forward pass updates them, the recomputation must not again.
+    from _recompute_state import assert_updates_run_once
+    from conftest import make_strategy
+
+    assert_updates_run_once(make_strategy(strategy_name))
+
+
+def test_wraps_a_layer_without_compute_output_shape():
+    from _recompute_state import ExecutionCounter
+
+    inputs = keras.Input((FEATURES,))
+    outputs = RecomputeGrad(ExecutionCounter())(inputs)
+    assert tuple(outputs.shape) == (None, FEATURES)

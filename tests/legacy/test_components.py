@@ -143,3 +143,14 @@ def test_recompute_gradients_equal_plain_block():
 
     for plain, recomputed in zip(grads(block), grads(wrapped), strict=True):
         assert_weights_close([recomputed], [plain], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored_2"])
+def test_recompute_stateful_updates_run_once_per_step(strategy_name):
+    # tf_keras has no StatelessScope: the wrapper restores the block's
+    # non-trainable state around the recomputation. Without that a counter
+    # ran 2x per step (3x for a Sequential block, whose mask was recomputed
+    # by running it again) and BatchNormalization statistics moved too far.
+    from _recompute_state import assert_updates_run_once
+
+    assert_updates_run_once(make_strategy(strategy_name))

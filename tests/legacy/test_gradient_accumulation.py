@@ -467,3 +467,13 @@ def test_module_is_the_flavour_pick():
         is gradient_accumulation_tf_keras.GradientAccumulationOptimizer
     )
     assert os.environ.get("TF_USE_LEGACY_KERAS") == "1"
+
+
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored_2"])
+def test_momentum_correction_matches_rate_free_momentum(strategy_name):
+    from _momentum_correction import train
+
+    weights, expected, _ = train(
+        make_strategy(strategy_name), 2, correction=True, nesterov=False
+    )
+    np.testing.assert_allclose(weights, expected, rtol=2e-5, atol=2e-6)

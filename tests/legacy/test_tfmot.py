@@ -240,14 +240,6 @@ def test_recompute_block_inside_pruned_model_prunes(pruned_recompute_run):
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="strip_recompute carries weights by position over model.weights; "
-    "under tf_keras a wrapper lists all trainable weights of its block "
-    "before the non-trainable ones, the rebuilt block lists them layer by "
-    "layer (TFMOT masks/thresholds/steps move): 'changed its weight layout'",
-)
 def test_strip_recompute_then_strip_pruning(pruned_recompute_run):
     model, _, _ = pruned_recompute_run
     # Cloning a TFMOT layer from its config needs TFMOT's custom objects.
@@ -267,12 +259,6 @@ def test_strip_recompute_then_strip_pruning(pruned_recompute_run):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tf_keras RecomputeGrad re-runs the block's stateful updates in "
-    "the recomputation (2 extra runs for a Sequential block): TFMOT's "
-    "pruning step and mask update run ahead of the schedule",
-)
 def test_recompute_block_follows_the_pruning_schedule(pruned_recompute_run):
     _, _, recorder = pruned_recompute_run
     expected = [
