@@ -2,8 +2,8 @@
 
 Same model, same data, one process; the two cases are interleaved repeat by
 repeat (off, on, off, on, ...) so machine noise hits both alike. Prints one
-JSON line per case (median steps/s over the repeats) and the on/off ratio
-(target >= 0.99).
+JSON line per case (median steps/s over the repeats), the ratio of the
+medians and the median of the per-repeat on/off ratios (target >= 0.99).
 
     python benchmarks/bench_monitors.py            # ~1 min on 2 CPU cores
     python benchmarks/bench_monitors.py --quick
@@ -73,11 +73,20 @@ def main() -> None:
         return args.steps * args.epochs / (time.perf_counter() - start)
 
     rates = {"off": [], "on": []}
-    for _ in range(args.repeats):
-        for case in ("off", "on"):
+    for repeat in range(args.repeats):
+        # Alternate which case goes first, so neither always follows the
+        # other's clean-up.
+        order = ("off", "on") if repeat % 2 == 0 else ("on", "off")
+        for case in order:
             rates[case].append(run(case == "on"))
     medians = {case: statistics.median(r) for case, r in rates.items()}
+    # Each repeat's pair ran back to back under the same machine load: the
+    # median of the paired ratios is steadier than the ratio of medians.
+    paired = statistics.median(
+        on / off for on, off in zip(rates["on"], rates["off"])
+    )
     device = "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
+    costs = hook_costs(model, args.interval, MemoryMonitor, GPULoadMonitor)
     for case in ("off", "on"):
         print(
             json.dumps(
@@ -95,9 +104,63 @@ def main() -> None:
                     )
                     if case == "on"
                     else 1.0,
+                    "paired_ratio_median": round(paired, 4)
+                    if case == "on"
+                    else 1.0,
                 }
             )
         )
+    print(json.dumps({"bench": "monitors_cost", "flavour": FLAVOUR, **costs}))
+
+
+def hook_costs(model, interval, memory_cls, gpu_cls) -> dict:
+    """What the monitors cost, timed directly: end-to-end ratios on a
+    shared machine carry a few percent of noise, these do not."""
+    memory, gpu = memory_cls(), gpu_cls(interval=interval)
+    for callback in (memory, gpu):
+        callback.set_model(model)
+    timings: dict = {"train_begin": [], "epoch_end": [], "train_end": []}
+    for _ in range(5):
+        start = time.perf_counter()
+        memory.on_train_begin({})
+        gpu.on_train_begin({})
+        timings["train_begin"].append(time.perf_counter() - start)
+        logs: dict = {"loss": 1.0}
+        start = time.perf_counter()
+        memory.on_epoch_end(0, logs)
+        gpu.on_epoch_end(0, logs)
+        timings["epoch_end"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        gpu.on_train_end({})
+        memory.on_train_end({})
+        timings["train_end"].append(time.perf_counter() - start)
+    # One reading of the background thread, on this thread.
+    gpu.on_train_begin({})
+    sample = gpu._backend.sample if gpu._backend is not None else None
+    reading_s = 0.0
+    if sample is not None:
+        start = time.perf_counter()
+        for _ in range(200):
+            sample()
+        reading_s = (time.perf_counter() - start) / 200
+    gpu.on_train_end({})
+    return {
+        "mode": gpu.mode,
+        # Later fits (the first also starts NVML or psutil).
+        "train_begin_ms": round(
+            1000 * statistics.median(timings["train_begin"][1:]), 3
+        ),
+        "epoch_end_ms": round(
+            1000 * statistics.median(timings["epoch_end"]), 3
+        ),
+        "train_end_ms": round(
+            1000 * statistics.median(timings["train_end"]), 3
+        ),
+        "reading_us": round(1e6 * reading_s, 1),
+        # Share of one core the sampling thread takes at this interval.
+        "sampling_core_pct": round(100 * reading_s / interval, 4),
+        "interval_s": interval,
+    }
 
 
 if __name__ == "__main__":
