@@ -8,6 +8,7 @@ from keras_mgpu._flavour import keras, tf
 from keras_mgpu._validation import check_int, check_number
 from keras_mgpu.monitoring.aggregate import NAN, Stats, spread
 from keras_mgpu.monitoring.backend import BackendUnavailable
+from keras_mgpu.monitoring.gather import WorkerGathering
 from keras_mgpu.monitoring.host_backend import HostBackend
 from keras_mgpu.monitoring.log_keys import make_key, worker_prefix
 from keras_mgpu.monitoring.notices import Notices
@@ -88,7 +89,9 @@ class GPULoadMonitor(keras.callbacks.Callback):
     NVML is shut down with it; a later `fit` starts afresh.
 
     **Under tf.distribute** every worker samples its own GPUs; in a
-    multi-worker cluster its keys carry a `w<task_id>_` prefix.
+    multi-worker cluster its keys carry a `w<task_id>_` prefix; with
+    `gather_workers=True` every worker (the chief included) also logs the
+    other workers' figures, exchanged at each epoch end.
 
     Args:
         interval: float > 0, seconds between readings. Defaults to 1.0.
@@ -101,6 +104,11 @@ class GPULoadMonitor(keras.callbacks.Callback):
         log_every_n_batches: int >= 0, also log the latest reading
             (`gpu/gpu<i>_util_pct`, `gpu/gpu<i>_mem_used_mb`,
             `cpu/util_pct`) every that many batches; 0 (default) is off.
+        gather_workers: bool, in a cluster of several workers, also log every
+            other worker's figures (one collective all-reduce of a small
+            matrix per epoch), so the chief's History / CSV / TensorBoard
+            hold the whole cluster. Implies the `w<task_id>_` prefix.
+            Defaults to False.
         worker_prefix: bool or None, force the `w<task_id>_` prefix on or
             off; None (default) adds it when the cluster has several
             workers.
@@ -127,6 +135,7 @@ class GPULoadMonitor(keras.callbacks.Callback):
         per_core: bool = True,
         log_every_n_batches: int = 0,
         worker_prefix: bool | None = None,
+        gather_workers: bool = False,
         backend: Any = None,
         host_backend: Any = None,
     ) -> None:
@@ -160,6 +169,8 @@ class GPULoadMonitor(keras.callbacks.Callback):
                 f"Received: worker_prefix={worker_prefix!r}"
             )
         self.worker_prefix = worker_prefix
+        self._gathering = WorkerGathering(gather_workers, "GPULoadMonitor")
+        self.gather_workers = gather_workers
         self._backend_arg = backend
         self._host_backend = (
             host_backend if host_backend is not None else HostBackend()
@@ -233,10 +244,13 @@ class GPULoadMonitor(keras.callbacks.Callback):
         self.stop()  # a run that ended by an exception may have left one
         self._notices.reset()
         strategy = self._strategy()
-        self._prefix = worker_prefix(self.worker_prefix, strategy)
+        gathering = self._gathering.start(strategy)
+        self._prefix = worker_prefix(
+            True if gathering else self.worker_prefix, strategy
+        )
         self._backend, self.mode = self._open_backend(strategy)
         self.devices = list(self._backend.devices) if self._backend else []
-        self.keys = self._epoch_keys()
+        self.keys = self._gathering.expand_keys(self._epoch_keys())
         self._batches = 0
         if self._backend is None:
             return
@@ -302,7 +316,8 @@ class GPULoadMonitor(keras.callbacks.Callback):
                 f"({type(self._sampler.error).__name__}: "
                 f"{self._sampler.error}); figures are NaN from here on.",
             )
-        logs.update(self.figures(stats, samples, epoch))
+        figures = self.figures(stats, samples, epoch)
+        logs.update(self._gathering.gather(figures, self._notices))
 
     def figures(
         self, stats: dict[str, Stats], samples: int, epoch: int | None = None

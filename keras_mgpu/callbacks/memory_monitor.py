@@ -8,6 +8,7 @@ from typing import Any
 
 from keras_mgpu._flavour import keras, tf
 from keras_mgpu._validation import check_int, check_number
+from keras_mgpu.monitoring.gather import WorkerGathering
 from keras_mgpu.monitoring.host_backend import HostBackend
 from keras_mgpu.monitoring.log_keys import make_key, worker_prefix
 from keras_mgpu.monitoring.notices import Notices
@@ -61,7 +62,8 @@ class MemoryMonitor(keras.callbacks.Callback):
     **Under tf.distribute** each worker of a multi-worker cluster reports
     its own devices into its own logs; keys then carry a `w<task_id>_`
     prefix (`mem/w1_gpu0_peak_mb`) so the workers' CSV files can be merged.
-    Gathering all workers' figures on the chief is not done.
+    With `gather_workers=True` every worker (the chief included) also logs
+    the other workers' figures, exchanged at each epoch end.
 
     Args:
         warn_fraction: float in (0, 1] or None, the peak-over-capacity
@@ -73,6 +75,11 @@ class MemoryMonitor(keras.callbacks.Callback):
         host: bool, whether to log the psutil host figures. Defaults to True.
         log_every_n_batches: int >= 0, also log `..._current_mb` every that
             many batches (0, the default, logs per epoch only).
+        gather_workers: bool, in a cluster of several workers, also log every
+            other worker's figures (one collective all-reduce of a small
+            matrix per epoch), so the chief's History / CSV / TensorBoard
+            hold the whole cluster. Implies the `w<task_id>_` prefix.
+            Defaults to False.
         worker_prefix: bool or None, force the `w<task_id>_` prefix on or
             off; None (default) adds it when the cluster has several
             workers.
@@ -97,6 +104,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         host: bool = True,
         log_every_n_batches: int = 0,
         worker_prefix: bool | None = None,
+        gather_workers: bool = False,
         reader: Any = None,
         host_backend: Any = None,
     ) -> None:
@@ -138,6 +146,8 @@ class MemoryMonitor(keras.callbacks.Callback):
                 f"Received: worker_prefix={worker_prefix!r}"
             )
         self.worker_prefix = worker_prefix
+        self._gathering = WorkerGathering(gather_workers, "MemoryMonitor")
+        self.gather_workers = gather_workers
         self._reader = reader if reader is not None else TFMemoryReader()
         self._host_backend = (
             host_backend if host_backend is not None else HostBackend()
@@ -164,7 +174,10 @@ class MemoryMonitor(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._notices.reset()
         strategy = self._strategy()
-        self._prefix = worker_prefix(self.worker_prefix, strategy)
+        gathering = self._gathering.start(strategy)
+        self._prefix = worker_prefix(
+            True if gathering else self.worker_prefix, strategy
+        )
         devices = strategy_devices(strategy)
         self._devices = []
         for device in devices:
@@ -202,7 +215,7 @@ class MemoryMonitor(keras.callbacks.Callback):
                 per_process=True,
             )
         self._capacity = {d: self._capacity_of(d) for d in self._devices}
-        self.keys = self._epoch_keys()
+        self.keys = self._gathering.expand_keys(self._epoch_keys())
         self._batches = 0
         self._reset_peaks()
 
@@ -247,7 +260,7 @@ class MemoryMonitor(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:
             return
-        logs.update(self.read(epoch))
+        logs.update(self._gathering.gather(self.read(epoch), self._notices))
 
     def read(self, epoch: int | None = None) -> dict[str, float]:
         """The figures now, keyed as in the logs; warns on memory pressure."""

@@ -216,7 +216,8 @@ def test_multi_worker_keys_carry_the_worker_prefix():
         timeout=240,
         env={"TF_ENABLE_ONEDNN_OPTS": "1"},
     )
-    for task, logs in enumerate(results):
+    for task, result in enumerate(results):
+        logs = result["logs"]
         assert f"mem/w{task}_host_rss_mb" in logs
         assert f"cpu/w{task}_util_mean_pct" in logs
         # oneDNN on: TensorFlow's process-wide CPU figures, once.
@@ -225,3 +226,28 @@ def test_multi_worker_keys_carry_the_worker_prefix():
             k.startswith(("mem/", "cpu/")) and f"w{task}_" not in k
             for k in logs
         )
+        assert sorted(result["keys"]) == sorted(logs)
+
+
+@pytest.mark.slow
+def test_multi_worker_gather_puts_every_workers_figures_on_each():
+    from _processes import run_workers
+
+    results = run_workers(
+        "monitoring._mw_monitor_bodies:monitor_body",
+        num_workers=2,
+        timeout=240,
+        args=(True,),
+    )
+    logs = [result["logs"] for result in results]
+    # Both workers log both workers' keys, the chief included ...
+    assert sorted(logs[0]) == sorted(logs[1]) == sorted(results[0]["keys"])
+    for task in (0, 1):
+        assert f"mem/w{task}_host_rss_mb" in logs[0]
+        assert f"cpu/w{task}_util_mean_pct" in logs[0]
+    # ... with the same values: each cell came from its owner.
+    for key in logs[0]:
+        a, b = logs[0][key], logs[1][key]
+        assert a == b or (math.isnan(a) and math.isnan(b)), key
+    # Two processes, two different resident sizes.
+    assert logs[0]["mem/w0_host_rss_mb"] != logs[0]["mem/w1_host_rss_mb"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 
 
-def monitor_body(task_index: int):
+def monitor_body(task_index: int, gather: bool = False):
     import tensorflow as tf
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -20,7 +20,10 @@ def monitor_body(task_index: int):
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         optimizer = keras.optimizers.SGD(0.1)
-    monitors = [MemoryMonitor(), GPULoadMonitor(interval=0.01)]
+    monitors = [
+        MemoryMonitor(gather_workers=gather),
+        GPULoadMonitor(interval=0.01, gather_workers=gather),
+    ]
 
     @tf.function
     def step(x):
@@ -47,4 +50,8 @@ def monitor_body(task_index: int):
             m.on_epoch_end(0, logs)
         for m in monitors:
             m.on_train_end()
-    return {k: float(v) for k, v in logs.items()}
+    keys = [key for m in monitors for key in m.keys]
+    return {
+        "logs": {k: float(v) for k, v in logs.items()},
+        "keys": keys,
+    }

@@ -1,0 +1,143 @@
+"""Gather every worker's monitor figures onto every worker (the chief
+included), with two small collective all-reduces per call."""
+
+from __future__ import annotations
+
+import re
+import zlib
+from typing import Any
+
+import numpy as np
+
+_WORKER_KEY = re.compile(r"^(?P<group>[a-z]+)/w(?P<task>\d+)_(?P<name>.+)$")
+
+
+class KeysDiffer(ValueError):
+    """The workers log different key sets (different devices)."""
+
+
+def gather_worker_figures(
+    figures: dict[str, float], strategy: Any, task_id: int, num_workers: int
+) -> dict[str, float]:
+    """All workers' figures, keyed `group/w<task>_name`, on every worker.
+
+    `figures` are this worker's, keyed with its own `w<task_id>_` prefix.
+    Every worker must call this at the same point (the end of an epoch of
+    synchronous training is one). Each worker fills its own row of a
+    `[num_workers, len(figures)]` float64 matrix, zeros elsewhere; a SUM
+    all-reduce gives every worker the whole matrix exactly (each cell has
+    one non-zero term). Raises `KeysDiffer` when the workers' key sets
+    differ, found by a first, fixed-size reduction of each worker's key
+    count and key-set checksum.
+    """
+    from keras_mgpu._flavour import tf
+
+    names = []
+    for key in sorted(figures):
+        match = _WORKER_KEY.match(key)
+        if match is None or int(match["task"]) != task_id:
+            raise ValueError(  # a bug in a caller
+                f"Key {key!r} does not carry this worker's prefix w{task_id}_"
+            )
+        names.append((match["group"], match["name"]))
+    # First a fixed-size header (key count and key-set checksum): the
+    # matrix below can only be all-reduced if every worker's has the same
+    # shape. Integers below 2**32 sum exactly in float64, and the sums
+    # equal num_workers times ours only if every worker's header is ours.
+    header = np.zeros((num_workers, 2), dtype=np.float64)
+    header[task_id] = [len(names), zlib.crc32(repr(names).encode())]
+    headers = _sum_over_workers(tf, strategy, header)
+    if not np.array_equal(headers.sum(axis=0), num_workers * header[task_id]):
+        raise KeysDiffer(
+            "the workers log different figures (different devices?)"
+        )
+    matrix = np.zeros((num_workers, len(names)), dtype=np.float64)
+    matrix[task_id] = [figures[f"{g}/w{task_id}_{n}"] for g, n in names]
+    total = _sum_over_workers(tf, strategy, matrix)
+    gathered = {}
+    for worker in range(num_workers):
+        for column, (group, name) in enumerate(names):
+            gathered[f"{group}/w{worker}_{name}"] = float(total[worker, column])
+    return gathered
+
+
+def _sum_over_workers(tf: Any, strategy: Any, matrix: np.ndarray) -> np.ndarray:
+    """SUM of `matrix` over workers (not over each worker's local replicas)."""
+    local = strategy.extended.worker_devices
+    value = tf.constant(matrix)
+    zeros = tf.zeros_like(value)
+
+    def per_replica(context):
+        # One replica per worker contributes, so the sum counts each
+        # worker once, however many devices it has.
+        first = context.replica_id_in_sync_group % len(local) == 0
+        return value if first else zeros
+
+    distributed = strategy.experimental_distribute_values_from_function(
+        per_replica
+    )
+    return np.asarray(
+        strategy.reduce(tf.distribute.ReduceOp.SUM, distributed, axis=None)
+    )
+
+
+class WorkerGathering:
+    """A monitor's `gather_workers` option, shared by both monitors.
+
+    `start(strategy)` at train begin decides whether to gather (a cluster
+    of several workers); `expand_keys` lists every worker's keys;
+    `gather(figures)` returns every worker's figures, or this worker's own
+    with a warning (once) when the workers' key sets differ.
+    """
+
+    def __init__(self, enabled: bool, owner: str) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(
+                "Argument `gather_workers` must be a bool. Received: "
+                f"gather_workers={enabled!r}"
+            )
+        self.enabled = enabled
+        self._owner = owner
+        self._strategy = None
+        self.task_id = 0
+        self.num_workers = 1
+
+    def start(self, strategy: Any) -> bool:
+        """Whether figures will be gathered in this run."""
+        from keras_mgpu.distribute import worker_info
+
+        info = worker_info(strategy)
+        self.task_id = int(info["task_id"] or 0)
+        self.num_workers = int(info["num_workers"])
+        active = self.enabled and self.num_workers > 1
+        self._strategy = strategy if active else None
+        return active
+
+    @property
+    def active(self) -> bool:
+        return self._strategy is not None
+
+    def expand_keys(self, keys: list[str]) -> list[str]:
+        if not self.active:
+            return keys
+        own = f"/w{self.task_id}_"
+        return [
+            key.replace(own, f"/w{worker}_", 1)
+            for worker in range(self.num_workers)
+            for key in keys
+        ]
+
+    def gather(self, figures: dict[str, float], notices: Any) -> dict:
+        if not self.active:
+            return figures
+        try:
+            return gather_worker_figures(
+                figures, self._strategy, self.task_id, self.num_workers
+            )
+        except KeysDiffer as exc:
+            notices.warn(
+                "gather",
+                f"{self._owner}: not gathering the workers' figures: {exc}; "
+                "each worker logs its own.",
+            )
+            return figures
