@@ -244,7 +244,7 @@ class GPULoadMonitor(keras.callbacks.Callback):
         self.stop()  # a run that ended by an exception may have left one
         self._notices.reset()
         strategy = self._strategy()
-        gathering = self._gathering.start(strategy)
+        gathering = self._gathering.start(strategy, self._notices)
         self._prefix = worker_prefix(
             True if gathering else self.worker_prefix, strategy
         )

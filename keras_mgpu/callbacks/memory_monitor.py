@@ -174,7 +174,7 @@ class MemoryMonitor(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._notices.reset()
         strategy = self._strategy()
-        gathering = self._gathering.start(strategy)
+        gathering = self._gathering.start(strategy, self._notices)
         self._prefix = worker_prefix(
             True if gathering else self.worker_prefix, strategy
         )

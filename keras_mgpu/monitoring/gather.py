@@ -102,14 +102,29 @@ class WorkerGathering:
         self.task_id = 0
         self.num_workers = 1
 
-    def start(self, strategy: Any) -> bool:
+    def start(self, strategy: Any, notices: Any = None) -> bool:
         """Whether figures will be gathered in this run."""
+        from keras_mgpu._flavour import tf
         from keras_mgpu.distribute import worker_info
 
         info = worker_info(strategy)
         self.task_id = int(info["task_id"] or 0)
         self.num_workers = int(info["num_workers"])
         active = self.enabled and self.num_workers > 1
+        if active and not isinstance(
+            strategy, tf.distribute.MultiWorkerMirroredStrategy
+        ):
+            # Parameter-server workers run no callbacks (the coordinator
+            # does): there is nothing to exchange in step.
+            if notices is not None:
+                notices.warn(
+                    "gather-strategy",
+                    f"{self._owner}: gather_workers needs "
+                    "MultiWorkerMirroredStrategy (synchronous workers); "
+                    f"under {type(strategy).__name__} each process logs "
+                    "its own figures.",
+                )
+            active = False
         self._strategy = strategy if active else None
         return active
 

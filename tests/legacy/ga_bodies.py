@@ -46,7 +46,9 @@ def _model(keras, accumulate: bool, learning_rate=BASE_LR):
     return model
 
 
-def _callbacks(keras, window: int, warmup_callback: bool) -> list:
+def _callbacks(
+    keras, window: int, warmup_callback: bool, gather: bool = False
+) -> list:
     """LR scaling ×2 (base batch = half the examples per update), warmup
     over 2 updates (this callback, or else a Warmup schedule), and both
     monitors."""
@@ -67,8 +69,8 @@ def _callbacks(keras, window: int, warmup_callback: bool) -> list:
     if warmup_callback:
         callbacks.append(LearningRateWarmup(warmup_steps=2))
     return callbacks + [
-        MemoryMonitor(warn_fraction=None),
-        GPULoadMonitor(interval=0.05),
+        MemoryMonitor(warn_fraction=None, gather_workers=gather),
+        GPULoadMonitor(interval=0.05, gather_workers=gather),
     ]
 
 
@@ -144,7 +146,7 @@ def multi_worker_body(task_index: int) -> dict:
         steps_per_epoch=first,
         epochs=1,
         verbose=0,
-        callbacks=_callbacks(keras, window, warmup_callback=True),
+        callbacks=_callbacks(keras, window, warmup_callback=True, gather=True),
     )
     pending = int(model.optimizer.pending_steps.numpy())
     accumulator_sum = _accumulator_sum(model.optimizer)
@@ -180,6 +182,10 @@ def multi_worker_body(task_index: int) -> dict:
         "micro_steps": int(restored.optimizer.micro_steps.numpy()),
         "max_abs_diff": _max_abs_diff(reference, restored.get_weights()),
         "monitor_keys": _monitor_keys(history),
+        "gathered_rss": [
+            history.history.get(f"mem/w{w}_host_rss_mb", [None])[-1]
+            for w in range(2)
+        ],
     }
 
 

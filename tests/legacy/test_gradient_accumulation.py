@@ -321,6 +321,10 @@ def test_multi_worker_mirrored_fit_resumes_mid_window():
         assert result["micro_steps"] == 6
         assert result["max_abs_diff"] < 1e-5
         assert result["monitor_keys"]
+    # gather_workers=True in the first fit: both workers logged both
+    # workers' memory, the same numbers on each.
+    assert results[0]["gathered_rss"] == results[1]["gathered_rss"]
+    assert all(rss and rss > 10 for rss in results[0]["gathered_rss"])
 
 
 @pytest.mark.slow
