@@ -90,3 +90,15 @@ def check_choice(value: object, argument: str, choices: Iterable[str]) -> str:
             f"Received: {argument}={value!r}"
         )
     return value  # type: ignore[return-value]
+
+
+def check_bool(value: object, argument: str, allow_none: bool = False):
+    """Return `value` if it is a bool (or None when allowed), else raise a
+    `TypeError` naming `argument`."""
+    if isinstance(value, bool) or (allow_none and value is None):
+        return value
+    allowed = "a bool or None" if allow_none else "a bool"
+    raise TypeError(
+        f"Argument `{argument}` must be {allowed}. Received: "
+        f"{argument}={value!r} (of type {type(value).__name__})"
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from keras_mgpu._flavour import keras, tf
-from keras_mgpu._validation import check_int, check_number
+from keras_mgpu._validation import check_bool, check_int, check_number
 from keras_mgpu.monitoring.aggregate import NAN, Stats, spread
 from keras_mgpu.monitoring.backend import BackendUnavailable
 from keras_mgpu.monitoring.gather import WorkerGathering
@@ -153,22 +153,13 @@ class GPULoadMonitor(keras.callbacks.Callback):
             exclusive_minimum=True,
             maximum=1.0,
         )
-        for name, value in (("per_core", per_core),):
-            if not isinstance(value, bool):
-                raise TypeError(
-                    f"Argument `{name}` must be a bool. "
-                    f"Received: {name}={value!r}"
-                )
-        self.per_core = per_core
+        self.per_core = check_bool(per_core, "per_core")
         self.log_every_n_batches = check_int(
             log_every_n_batches, "log_every_n_batches", minimum=0
         )
-        if worker_prefix is not None and not isinstance(worker_prefix, bool):
-            raise TypeError(
-                "Argument `worker_prefix` must be a bool or None. "
-                f"Received: worker_prefix={worker_prefix!r}"
-            )
-        self.worker_prefix = worker_prefix
+        self.worker_prefix = check_bool(
+            worker_prefix, "worker_prefix", allow_none=True
+        )
         self._gathering = WorkerGathering(gather_workers, "GPULoadMonitor")
         self.gather_workers = gather_workers
         self._backend_arg = backend

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from keras_mgpu._flavour import keras, tf
-from keras_mgpu._validation import check_int, check_number
+from keras_mgpu._validation import check_bool, check_int, check_number
 from keras_mgpu.monitoring.gather import WorkerGathering
 from keras_mgpu.monitoring.host_backend import HostBackend
 from keras_mgpu.monitoring.log_keys import make_key, worker_prefix
@@ -132,20 +132,13 @@ class MemoryMonitor(keras.callbacks.Callback):
                 exclusive_minimum=True,
                 allow_none=True,
             )
-        if not isinstance(host, bool):
-            raise TypeError(
-                f"Argument `host` must be a bool. Received: host={host!r}"
-            )
-        self.host = host
+        self.host = check_bool(host, "host")
         self.log_every_n_batches = check_int(
             log_every_n_batches, "log_every_n_batches", minimum=0
         )
-        if worker_prefix is not None and not isinstance(worker_prefix, bool):
-            raise TypeError(
-                "Argument `worker_prefix` must be a bool or None. "
-                f"Received: worker_prefix={worker_prefix!r}"
-            )
-        self.worker_prefix = worker_prefix
+        self.worker_prefix = check_bool(
+            worker_prefix, "worker_prefix", allow_none=True
+        )
         self._gathering = WorkerGathering(gather_workers, "MemoryMonitor")
         self.gather_workers = gather_workers
         self._reader = reader if reader is not None else TFMemoryReader()

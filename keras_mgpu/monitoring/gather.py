@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from keras_mgpu._validation import check_bool
+
 _WORKER_KEY = re.compile(r"^(?P<group>[a-z]+)/w(?P<task>\d+)_(?P<name>.+)$")
 
 
@@ -91,12 +93,7 @@ class WorkerGathering:
     """
 
     def __init__(self, enabled: bool, owner: str) -> None:
-        if not isinstance(enabled, bool):
-            raise TypeError(
-                "Argument `gather_workers` must be a bool. Received: "
-                f"gather_workers={enabled!r}"
-            )
-        self.enabled = enabled
+        self.enabled = check_bool(enabled, "gather_workers")
         self._owner = owner
         self._strategy = None
         self.task_id = 0

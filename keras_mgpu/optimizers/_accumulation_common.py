@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from keras_mgpu._flavour import keras, tf
+from keras_mgpu._validation import check_bool
 
 # Base-optimizer arguments both flavours' wrappers refuse: they belong on the
 # inner optimizer, which applies them once per real update.
@@ -81,12 +82,7 @@ def check_momentum_correction(
     momentum_correction: Any, inner_optimizer: Any
 ) -> bool:
     """Validate `momentum_correction` against the inner optimizer."""
-    if not isinstance(momentum_correction, bool):
-        raise TypeError(
-            "Argument `momentum_correction` must be a bool. Received: "
-            f"momentum_correction={momentum_correction!r} (of type "
-            f"{type(momentum_correction).__name__})"
-        )
+    check_bool(momentum_correction, "momentum_correction")
     if not momentum_correction:
         return False
     momentum = getattr(inner_optimizer, "momentum", 0.0)
