@@ -127,3 +127,16 @@ def test_mixing_flavours_is_a_clear_error():
 
     with pytest.raises(TypeError, match=r"`model` is a tf_keras object"):
         check_flavour(tf_keras.Sequential(), "model")
+
+
+def test_monitoring_backends_need_no_framework():
+    # NVML, psutil and the sampling thread work without TensorFlow (see
+    # benchmarks/check_nvml.py, run on GPU machines without TensorFlow).
+    code = (
+        "import sys\n"
+        "from keras_mgpu.monitoring import NvmlBackend, Sampler, HostBackend\n"
+        "print('tensorflow' in sys.modules, 'keras' in sys.modules)\n"
+    )
+    result = _python(code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["False", "False"]

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from keras_mgpu._flavour import tf
+
+def _tf():
+    """TensorFlow, imported on first use: the rest of
+    `keras_mgpu.monitoring` (NVML, psutil, sampling) needs no framework."""
+    from keras_mgpu._flavour import tf
+
+    return tf
+
 
 MB = 1024.0 * 1024.0
 
@@ -16,17 +23,17 @@ def strategy_devices(strategy=None) -> list[str]:
     The default strategy places work on the first GPU, or on the CPU.
     Under `MultiWorkerMirroredStrategy` these are this worker's devices.
     """
-    strategy = strategy or tf.distribute.get_strategy()
+    strategy = strategy or _tf().distribute.get_strategy()
     names: list[str] = []
     try:
         names.extend(strategy.extended.worker_devices)
         names.extend(getattr(strategy.extended, "parameter_devices", ()))
     except (RuntimeError, NotImplementedError):  # the default strategy
-        gpus = tf.config.list_logical_devices("GPU")
+        gpus = _tf().config.list_logical_devices("GPU")
         names.append(gpus[0].name if gpus else "CPU:0")
     devices: list[str] = []
     for name in names:
-        spec = tf.DeviceSpec.from_string(name)
+        spec = _tf().DeviceSpec.from_string(name)
         device = (
             f"{(spec.device_type or 'CPU').upper()}:{spec.device_index or 0}"
         )
@@ -44,9 +51,9 @@ def logical_to_physical_gpu() -> dict[int, int]:
     """
     mapping: dict[int, int] = {}
     logical = 0
-    for physical in tf.config.get_visible_devices("GPU"):
+    for physical in _tf().config.get_visible_devices("GPU"):
         position = int(physical.name.rsplit(":", 1)[-1])
-        configs = tf.config.get_logical_device_configuration(physical)
+        configs = _tf().config.get_logical_device_configuration(physical)
         for _ in range(len(configs) if configs else 1):
             mapping[logical] = position
             logical += 1
@@ -57,8 +64,8 @@ def logical_gpu_memory_limits_mb() -> dict[int, float]:
     """`memory_limit` (MB) of logical GPUs configured with one."""
     limits: dict[int, float] = {}
     logical = 0
-    for physical in tf.config.get_visible_devices("GPU"):
-        configs = tf.config.get_logical_device_configuration(physical)
+    for physical in _tf().config.get_visible_devices("GPU"):
+        configs = _tf().config.get_logical_device_configuration(physical)
         for config in configs or [None]:
             limit = getattr(config, "memory_limit", None)
             if limit:
@@ -97,16 +104,16 @@ class TFMemoryReader:
         reset_memory_stats: Callable | None = None,
         gpu_totals_mb: Callable[[], dict[int, float]] | None = None,
     ) -> None:
-        self._get = get_memory_info or tf.config.experimental.get_memory_info
+        self._get = get_memory_info or _tf().config.experimental.get_memory_info
         self._reset = (
-            reset_memory_stats or tf.config.experimental.reset_memory_stats
+            reset_memory_stats or _tf().config.experimental.reset_memory_stats
         )
         self._gpu_totals = gpu_totals_mb or _nvml_totals_mb
 
     def read(self, device: str) -> dict[str, float] | None:
         try:
             info = self._get(device)
-        except (ValueError, RuntimeError, tf.errors.OpError):
+        except (ValueError, RuntimeError, _tf().errors.OpError):
             return None
         return {
             "current_mb": info["current"] / MB,
@@ -116,7 +123,7 @@ class TFMemoryReader:
     def reset(self, device: str) -> bool:
         try:
             self._reset(device)
-        except (ValueError, RuntimeError, tf.errors.OpError):
+        except (ValueError, RuntimeError, _tf().errors.OpError):
             return False
         return True
 
