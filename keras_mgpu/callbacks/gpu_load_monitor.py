@@ -10,7 +10,7 @@ from keras_mgpu.monitoring.aggregate import NAN, Stats, spread
 from keras_mgpu.monitoring.backend import BackendUnavailable
 from keras_mgpu.monitoring.gather import WorkerGathering
 from keras_mgpu.monitoring.host_backend import HostBackend
-from keras_mgpu.monitoring.log_keys import make_key, worker_prefix
+from keras_mgpu.monitoring.log_keys import make_key
 from keras_mgpu.monitoring.notices import Notices
 from keras_mgpu.monitoring.nvml_backend import NvmlBackend
 from keras_mgpu.monitoring.sampler import Sampler, training_frame
@@ -235,9 +235,8 @@ class GPULoadMonitor(keras.callbacks.Callback):
         self.stop()  # a run that ended by an exception may have left one
         self._notices.reset()
         strategy = self._strategy()
-        gathering = self._gathering.start(strategy, self._notices)
-        self._prefix = worker_prefix(
-            True if gathering else self.worker_prefix, strategy
+        self._prefix = self._gathering.start(
+            strategy, self.worker_prefix, self._notices
         )
         self._backend, self.mode = self._open_backend(strategy)
         self.devices = list(self._backend.devices) if self._backend else []

@@ -10,7 +10,7 @@ from keras_mgpu._flavour import keras, tf
 from keras_mgpu._validation import check_bool, check_int, check_number
 from keras_mgpu.monitoring.gather import WorkerGathering
 from keras_mgpu.monitoring.host_backend import HostBackend
-from keras_mgpu.monitoring.log_keys import make_key, worker_prefix
+from keras_mgpu.monitoring.log_keys import make_key
 from keras_mgpu.monitoring.notices import Notices
 from keras_mgpu.monitoring.tf_memory import (
     TFMemoryReader,
@@ -167,9 +167,8 @@ class MemoryMonitor(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._notices.reset()
         strategy = self._strategy()
-        gathering = self._gathering.start(strategy, self._notices)
-        self._prefix = worker_prefix(
-            True if gathering else self.worker_prefix, strategy
+        self._prefix = self._gathering.start(
+            strategy, self.worker_prefix, self._notices
         )
         devices = strategy_devices(strategy)
         self._devices = []

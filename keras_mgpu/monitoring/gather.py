@@ -86,8 +86,9 @@ def _sum_over_workers(tf: Any, strategy: Any, matrix: np.ndarray) -> np.ndarray:
 class WorkerGathering:
     """A monitor's `gather_workers` option, shared by both monitors.
 
-    `start(strategy)` at train begin decides whether to gather (a cluster
-    of several workers); `expand_keys` lists every worker's keys;
+    `start(strategy, prefix_option)` at train begin decides whether to
+    gather (a cluster of several workers) and returns the key prefix;
+    `expand_keys` lists every worker's keys;
     `gather(figures)` returns every worker's figures, or this worker's own
     with a warning (once) when the workers' key sets differ.
     """
@@ -99,10 +100,15 @@ class WorkerGathering:
         self.task_id = 0
         self.num_workers = 1
 
-    def start(self, strategy: Any, notices: Any = None) -> bool:
-        """Whether figures will be gathered in this run."""
+    def start(
+        self, strategy: Any, prefix_option: bool | None, notices: Any = None
+    ) -> str:
+        """Decide whether figures are gathered in this run; return this
+        worker's key prefix (`prefix_option` is the monitor's
+        `worker_prefix`, forced on while gathering)."""
         from keras_mgpu._flavour import tf
         from keras_mgpu.distribute import worker_info
+        from keras_mgpu.monitoring.log_keys import worker_prefix
 
         info = worker_info(strategy)
         self.task_id = int(info["task_id"] or 0)
@@ -123,7 +129,7 @@ class WorkerGathering:
                 )
             active = False
         self._strategy = strategy if active else None
-        return active
+        return worker_prefix(True if active else prefix_option, strategy)
 
     @property
     def active(self) -> bool:

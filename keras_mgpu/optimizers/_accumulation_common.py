@@ -166,13 +166,10 @@ class AccumulationProtocol:
         """
         if not self.momentum_correction:
             return
-        from keras_mgpu.schedules._optimizer_lr import (
-            evaluate_lr,
-            get_lr_object,
-        )
+        from keras_mgpu.schedules._optimizer_lr import learning_rate_tensor
 
         owner = self.inner_optimizer
-        rate = tf.cast(evaluate_lr(owner, get_lr_object(owner)), tf.float32)
+        rate = tf.cast(learning_rate_tensor(owner), tf.float32)
         previous = self._previous_learning_rate
         # The first update (previous 0: no velocity yet) is left alone.
         ratio = tf.where(

@@ -225,10 +225,16 @@ class WarmupWrapper(LearningRateWrapper):
         return tf.where(step < warmup, ramped, target)
 
 
+def learning_rate_tensor(optimizer: Any) -> Any:
+    """The learning rate of `optimizer`'s next update, as a tensor (usable
+    in-graph): its wrappers and schedules evaluated at its update count."""
+    owner = lr_owner(optimizer)
+    return evaluate_lr(owner, get_lr_object(owner))
+
+
 def current_learning_rate(optimizer: Any) -> float:
     """The learning rate of `optimizer`'s next update, as a Python float."""
-    owner = lr_owner(optimizer)
-    return float(np.asarray(evaluate_lr(owner, get_lr_object(owner))))
+    return float(np.asarray(learning_rate_tensor(optimizer)))
 
 
 # ----------------------------------------------------------------------
