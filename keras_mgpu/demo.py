@@ -304,40 +304,38 @@ def _peak_memory(history: dict, kind: str, devices: list) -> list:
     return rows
 
 
-def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
-    """Train the demo model and write its CSV log, PNG report and summary.
+def _default_device_info() -> dict:
+    kind = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
+    devices = [d.name for d in tf.config.list_logical_devices(kind)]
+    return {"kind": kind, "devices": devices, "gpu_names": []}
 
-    Call `configure_devices` first (or pass its result as `device_info`).
-    Returns the summary dict that is also written to `summary.json`.
-    """
-    from keras_mgpu import GradientAccumulationOptimizer
-    from keras_mgpu import callbacks as mgpu_callbacks
-    from keras_mgpu.distribute import global_batch_size
-    from keras_mgpu.report import plot_training_report
-    from keras_mgpu.schedules import scaled_learning_rate
 
-    start = time.perf_counter()
-    if device_info is None:
-        device_info = {
-            "kind": "GPU" if tf.config.list_logical_devices("GPU") else "CPU",
-            "gpu_names": [],
-        }
-        device_info["devices"] = [
-            d.name for d in tf.config.list_logical_devices(device_info["kind"])
-        ]
-    os.makedirs(config.output_dir, exist_ok=True)
-    csv_path = os.path.join(config.output_dir, "history.csv")
-    steps_path = os.path.join(config.output_dir, "history_steps.csv")
-    png_path = os.path.join(config.output_dir, "report.png")
-    summary_path = os.path.join(config.output_dir, "summary.json")
+@dataclasses.dataclass
+class _Paths:
+    """Where one demo run writes its files."""
 
-    keras.utils.set_random_seed(config.seed)
-    x_train, y_train, x_test, y_test = load_digits_split(config.seed)
+    csv: str
+    steps: str
+    png: str
+    summary: str
 
-    strategy = tf.distribute.MirroredStrategy(devices=device_info["devices"])
-    replicas = strategy.num_replicas_in_sync
-    steps = config.accumulation_steps if config.accumulation else 1
-    step_batch = config.batch_size * replicas  # one micro-step, all replicas
+    @classmethod
+    def under(cls, output_dir: str) -> _Paths:
+        os.makedirs(output_dir, exist_ok=True)
+        return cls(
+            csv=os.path.join(output_dir, "history.csv"),
+            steps=os.path.join(output_dir, "history_steps.csv"),
+            png=os.path.join(output_dir, "report.png"),
+            summary=os.path.join(output_dir, "summary.json"),
+        )
+
+
+def _datasets(
+    config: DemoConfig, replicas: int, data: tuple
+) -> tuple[Any, Any, int]:
+    """(train, test, steps per epoch): one micro-step of every replica."""
+    x_train, y_train, x_test, y_test = data
+    step_batch = config.batch_size * replicas
     steps_per_epoch = len(x_train) // step_batch
     if steps_per_epoch < 1:
         raise ValueError(
@@ -356,7 +354,15 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
     test = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(
         step_batch
     )
+    return train, test, steps_per_epoch
 
+
+def _compiled_model(config: DemoConfig, strategy: Any) -> tuple[Any, int]:
+    """The compiled demo model and the examples each update averages."""
+    from keras_mgpu import GradientAccumulationOptimizer
+    from keras_mgpu.distribute import global_batch_size
+
+    steps = config.accumulation_steps if config.accumulation else 1
     with strategy.scope():
         model = build_model(recompute=config.recompute)
         optimizer = keras.optimizers.Adam(BASE_LEARNING_RATE)
@@ -370,6 +376,12 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
         examples_per_update = global_batch_size(
             config.batch_size, strategy, accumulation_steps=steps
         )
+    return model, examples_per_update
+
+
+def _callbacks(config: DemoConfig, paths: _Paths, steps_per_epoch: int) -> list:
+    """The demo's callbacks, in the order the README recommends."""
+    from keras_mgpu import callbacks as mgpu_callbacks
 
     callbacks: list = []
     if config.scaling:
@@ -388,25 +400,27 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
             )
         )
     callbacks.append(_LogLearningRate())
-    callbacks.append(StepLogger(steps_path, steps_per_epoch))
+    callbacks.append(StepLogger(paths.steps, steps_per_epoch))
     if config.monitors:
         callbacks.append(mgpu_callbacks.MemoryMonitor())
         callbacks.append(mgpu_callbacks.GPULoadMonitor(interval=0.25))
     if config.progress:
         callbacks.append(ProgressBar(config.epochs, steps_per_epoch))
     # Last: it writes the logs the callbacks above added.
-    callbacks.append(keras.callbacks.CSVLogger(csv_path))
+    callbacks.append(keras.callbacks.CSVLogger(paths.csv))
+    return callbacks
 
+
+def _fit_collecting_notes(model: Any, fit_kwargs: dict) -> tuple:
+    """`model.fit(**fit_kwargs)`; returns (history, seconds, monitor notes).
+
+    The monitors' warnings (no NVML, CPU-only figures) become one-line
+    notes under the summary instead of tracebacks in the middle of it.
+    """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train_start = time.perf_counter()
-        history = model.fit(
-            train,
-            epochs=config.epochs,
-            validation_data=test,
-            callbacks=callbacks,
-            verbose=0,
-        )
+        history = model.fit(**fit_kwargs)
         train_seconds = time.perf_counter() - train_start
     notes = []
     for warning in caught:
@@ -414,24 +428,42 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
             text = str(warning.message).split(". ")[0].rstrip(".") + "."
             if text not in notes:
                 notes.append(text)
+    return history, train_seconds, notes
 
-    logs = history.history
-    final_accuracy = float(logs["val_accuracy"][-1])
+
+def _summary(
+    config: DemoConfig,
+    device_info: dict,
+    run: dict,
+    paths: _Paths,
+) -> dict:
+    """The summary dict of a finished run (`run`: what `run_demo` saw)."""
+    from keras_mgpu.schedules import scaled_learning_rate
+
+    logs = run["logs"]
     scaled_lr = (
         scaled_learning_rate(
-            BASE_LEARNING_RATE, examples_per_update, BASE_BATCH_SIZE
+            BASE_LEARNING_RATE, run["examples_per_update"], BASE_BATCH_SIZE
         )
         if config.scaling
         else BASE_LEARNING_RATE
     )
-    summary = {
+    peak_memory = [
+        {"device": d, "peak_mb": None if math.isnan(p) else p, "what": w}
+        for d, p, w in _peak_memory(
+            logs, device_info["kind"], device_info["devices"]
+        )
+    ]
+    return {
         "device_kind": device_info["kind"],
         "devices": device_info["devices"],
         "gpu_names": device_info.get("gpu_names", []),
-        "replicas": replicas,
+        "replicas": run["replicas"],
         "per_replica_batch_size": config.batch_size,
-        "accumulation_steps": steps,
-        "global_batch_size": examples_per_update,
+        "accumulation_steps": (
+            config.accumulation_steps if config.accumulation else 1
+        ),
+        "global_batch_size": run["examples_per_update"],
         "base_learning_rate": BASE_LEARNING_RATE,
         "base_batch_size": BASE_BATCH_SIZE,
         "learning_rate": scaled_lr,
@@ -441,31 +473,64 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
         "recompute": config.recompute,
         "monitors": config.monitors,
         "epochs": config.epochs,
-        "updates": int(model.optimizer.iterations.numpy()),
-        "final_accuracy": final_accuracy,
-        "test_images": len(x_test),
+        "updates": run["updates"],
+        "final_accuracy": float(logs["val_accuracy"][-1]),
+        "test_images": run["test_images"],
         "final_train_accuracy": float(logs["accuracy"][-1]),
         "final_loss": float(logs["val_loss"][-1]),
-        "peak_memory": [
-            {"device": d, "peak_mb": None if math.isnan(p) else p, "what": w}
-            for d, p, w in _peak_memory(
-                logs, device_info["kind"], device_info["devices"]
-            )
-        ]
-        if config.monitors
-        else [],
-        "train_seconds": train_seconds,
+        "peak_memory": peak_memory if config.monitors else [],
+        "train_seconds": run["train_seconds"],
         "seed": config.seed,
-        "csv": os.path.abspath(csv_path),
-        "steps_csv": os.path.abspath(steps_path),
-        "report": os.path.abspath(png_path),
+        "csv": os.path.abspath(paths.csv),
+        "steps_csv": os.path.abspath(paths.steps),
+        "report": os.path.abspath(paths.png),
+        "notes": run["notes"],
+    }
+
+
+def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
+    """Train the demo model and write its CSV log, PNG report and summary.
+
+    Call `configure_devices` first (or pass its result as `device_info`).
+    Returns the summary dict that is also written to `summary.json`.
+    """
+    from keras_mgpu.report import plot_training_report
+
+    start = time.perf_counter()
+    device_info = device_info or _default_device_info()
+    paths = _Paths.under(config.output_dir)
+    keras.utils.set_random_seed(config.seed)
+    data = load_digits_split(config.seed)
+
+    strategy = tf.distribute.MirroredStrategy(devices=device_info["devices"])
+    replicas = strategy.num_replicas_in_sync
+    train, test, steps_per_epoch = _datasets(config, replicas, data)
+    model, examples_per_update = _compiled_model(config, strategy)
+    history, train_seconds, notes = _fit_collecting_notes(
+        model,
+        dict(
+            x=train,
+            epochs=config.epochs,
+            validation_data=test,
+            callbacks=_callbacks(config, paths, steps_per_epoch),
+            verbose=0,
+        ),
+    )
+    run = {
+        "logs": history.history,
+        "replicas": replicas,
+        "examples_per_update": examples_per_update,
+        "updates": int(model.optimizer.iterations.numpy()),
+        "test_images": len(data[2]),
+        "train_seconds": train_seconds,
         "notes": notes,
     }
+    summary = _summary(config, device_info, run, paths)
     plot_training_report(
-        csv_path, png_path, steps=steps_path, title=_report_title(summary)
+        paths.csv, paths.png, steps=paths.steps, title=_report_title(summary)
     )
     summary["demo_seconds"] = time.perf_counter() - start
-    with open(summary_path, "w") as f:
+    with open(paths.summary, "w") as f:
         json.dump(summary, f, indent=2)
     return summary
 
