@@ -92,3 +92,32 @@ def register_serializable(cls):
             cls
         )
     return keras.saving.register_keras_serializable(package="keras_mgpu")(cls)
+
+
+def _tf_keras_if_installed():
+    import importlib.util
+
+    if importlib.util.find_spec("tf_keras") is None:
+        return None
+    import tf_keras
+
+    return tf_keras
+
+
+def callback_bases() -> tuple[type, ...]:
+    """Base classes of a callback that runs in Keras 3 and tf_keras `fit`.
+
+    Keras 3's `Callback` first (its `set_model` and `model`), then
+    tf_keras's when installed: tf_keras's `CallbackList` calls its protocol
+    methods (`_implements_train_batch_hooks`, ...), while Keras 3's only
+    calls the hooks. The callback then follows the model it is given,
+    whatever `TF_USE_LEGACY_KERAS` says (Ray Train sets it while user code
+    builds Keras 3 models).
+    """
+    import keras as keras3
+
+    bases: list[type] = [keras3.callbacks.Callback]
+    tf_keras = _tf_keras_if_installed()
+    if tf_keras is not None:
+        bases.append(tf_keras.callbacks.Callback)
+    return tuple(bases)

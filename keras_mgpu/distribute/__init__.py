@@ -13,7 +13,6 @@ from keras_mgpu.distribute.multi_worker_fit import (
     MultiWorkerFitWarning,
     disable_multi_worker_fit,
     enable_multi_worker_fit,
-    multi_worker_fit,
     multi_worker_fit_enabled,
 )
 from keras_mgpu.distribute.strategy import (
@@ -32,7 +31,6 @@ __all__ = [
     "disable_multi_worker_fit",
     "enable_multi_worker_fit",
     "global_batch_size",
-    "multi_worker_fit",
     "multi_worker_fit_enabled",
     "num_replicas_in_sync",
     "strategy_kind",

@@ -74,7 +74,9 @@ def uninstall(originals: dict[str, Any]) -> None:
     module = _trainer_module()
     for name in _METHODS:
         setattr(
-            module.TensorFlowTrainer, name, originals[f"TensorFlowTrainer.{name}"]
+            module.TensorFlowTrainer,
+            name,
+            originals[f"TensorFlowTrainer.{name}"],
         )
     module.reduce_per_replica = originals["reduce_per_replica"]
     module.TFEpochIterator.__init__ = originals["TFEpochIterator.__init__"]
@@ -94,7 +96,11 @@ def _mark(replacement: Any, original: Any) -> Any:
 def _symbolic_build_from_local_replica(original: Any) -> Any:
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         strategy = self._distribute_strategy
-        if iterator is None or strategy is None or not is_multi_worker(strategy):
+        if (
+            iterator is None
+            or strategy is None
+            or not is_multi_worker(strategy)
+        ):
             return original(self, iterator=iterator, data_batch=data_batch)
         import tensorflow as tf
         from keras import tree
@@ -109,9 +115,11 @@ def _symbolic_build_from_local_replica(original: Any) -> Any:
         # Shapes and dtypes are all the build needs: one local replica's
         # values give them without a collective over the data.
         local = tree.map_structure(
-            lambda v: strategy.experimental_local_results(v)[0]
-            if isinstance(v, tf.distribute.DistributedValues)
-            else v,
+            lambda v: (
+                strategy.experimental_local_results(v)[0]
+                if isinstance(v, tf.distribute.DistributedValues)
+                else v
+            ),
             batch,
         )
         return original(self, iterator=None, data_batch=local)

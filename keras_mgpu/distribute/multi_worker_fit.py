@@ -54,7 +54,6 @@ pointer to `keras_mgpu.callbacks.BackupAndRestore`.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import warnings
 from typing import Any
@@ -175,16 +174,3 @@ def disable_multi_worker_fit() -> None:
 
             _keras_trainer_patch.uninstall(_ORIGINALS)
             _ORIGINALS.clear()
-
-
-@contextlib.contextmanager
-def multi_worker_fit() -> Any:
-    """`enable_multi_worker_fit()` for the duration of a `with` block, then
-    back to what was in effect before."""
-    was_enabled = multi_worker_fit_enabled()
-    enabled = enable_multi_worker_fit()
-    try:
-        yield enabled
-    finally:
-        if enabled and not was_enabled:
-            disable_multi_worker_fit()
