@@ -132,11 +132,47 @@ def fit_scenarios(task_index: int) -> dict:
         if type(w.message).__name__ == "MultiWorkerFitWarning"
     ]
     results["tf_dataset"] = _dataset_fit(strategy, x, y)
+    results["straggler"] = _straggler_run(strategy, task_index)
     # Last: Keras's own limits, with our checks bypassed (they may leave
     # the collectives unusable).
     results["keras_limits"] = _keras_limits(strategy, x, y)
     del np
     return results
+
+
+def _straggler_run(strategy, task_index: int) -> dict:
+    """Worker 1 sleeps 100 ms before each step."""
+    import time
+
+    import keras
+
+    from keras_mgpu.callbacks import StragglerMonitor
+
+    class Sleep(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if task_index == 1:
+                time.sleep(0.1)
+
+    x, y = _data(128)
+    with strategy.scope():
+        model = _model()
+        model.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(
+            x,
+            y,
+            batch_size=16,
+            epochs=2,
+            verbose=0,
+            callbacks=[Sleep(), StragglerMonitor()],
+        )
+    return {
+        "logs": {k: v[-1] for k, v in history.history.items() if k != "loss"},
+        "warnings": [
+            str(w.message) for w in caught if "Straggler" in str(w.message)
+        ],
+    }
 
 
 def _keras_limits(strategy, x, y) -> dict:

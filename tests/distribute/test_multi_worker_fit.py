@@ -108,6 +108,31 @@ def test_clear_errors_and_warnings(cluster):
 
 
 @pytest.mark.slow
+def test_a_slow_worker_is_flagged_on_every_worker(cluster):
+    for result in cluster:
+        slow = result["straggler"]
+        logs = slow["logs"]
+        for worker in (0, 1):
+            for name in ("step_ms", "wait_ms", "busy_ms"):
+                assert f"workers/w{worker}_{name}" in logs
+        assert logs["workers/slowest"] == 1.0
+        # 30 ms more per step on worker 1; worker 0 waits for it.
+        assert logs["workers/w1_busy_ms"] - logs["workers/w0_busy_ms"] > 20
+        assert logs["workers/w0_wait_ms"] > logs["workers/w1_wait_ms"]
+        assert logs["workers/step_time_ratio"] > 1.25
+        assert (
+            logs["workers/step_time_ratio"]
+            > balanced["logs"]["workers/step_time_ratio"]
+        )
+        (warning,) = slow["warnings"]
+        assert "worker 1 is a straggler" in warning
+    assert (
+        cluster[0]["stragglers"]["1"]["logs"]
+        == (cluster[1]["stragglers"]["1"]["logs"])
+    )
+
+
+@pytest.mark.slow
 @pytest.mark.keras_limit
 def test_keras_steps_per_execution_fails_under_multi_worker(cluster):
     """keras-team/keras#19246: what our ValueError replaces."""
