@@ -419,26 +419,9 @@ class GradientAccumulationOptimizer(
                 "replica context (inside `strategy.run` or `model.fit`)."
             )
         _check_keras_limits()
-        # A variable with no gradient (None, known while tracing) gets none
-        # from the wrapper either: the inner optimizer then skips it
-        # (and warns), exactly as without accumulation. A zero gradient
-        # would not be the same (weight decay, momentum).
-        missing = [
-            variable_name(v)
-            for g, v in zip(grads, trainable_variables)
-            if g is None
-        ]
-        if missing:
-            warnings.warn(
-                f"Gradients do not exist for variables {missing} when "
-                "minimizing the loss; GradientAccumulationOptimizer leaves "
-                "them unchanged.",
-                stacklevel=2,
-            )
-        trainable_variables = [
-            v for g, v in zip(grads, trainable_variables) if g is not None
-        ]
-        grads = [g for g in grads if g is not None]
+        grads, trainable_variables = self._drop_missing(
+            grads, trainable_variables
+        )
         if not grads:
             self.inner_optimizer.apply(
                 [None] * len(self._trainable_variables),
@@ -456,6 +439,25 @@ class GradientAccumulationOptimizer(
         with keras.name_scope(self.name, caller=self):
             self._accumulate(grads, slots)
             self._step(slots)
+
+    @staticmethod
+    def _drop_missing(grads: list, variables: list) -> tuple:
+        """Leave out variables without a gradient (None, known while
+        tracing), with Keras's warning: the inner optimizer gets none for
+        them either, exactly as without accumulation. A zero gradient would
+        not be the same (weight decay, momentum)."""
+        missing = [
+            variable_name(v) for g, v in zip(grads, variables) if g is None
+        ]
+        if missing:
+            warnings.warn(
+                f"Gradients do not exist for variables {missing} when "
+                "minimizing the loss; GradientAccumulationOptimizer leaves "
+                "them unchanged.",
+                stacklevel=3,
+            )
+        kept = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        return [g for g, _ in kept], [v for _, v in kept]
 
     def _accumulate(self, grads: list, slots: list) -> None:
         """Add this replica's gradients to its own accumulators (local)."""

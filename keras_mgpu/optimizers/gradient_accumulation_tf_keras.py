@@ -300,6 +300,14 @@ class GradientAccumulationOptimizer(
                 "called in a replica context (inside `strategy.run` or "
                 "`model.fit`)."
             )
+        slots = self._slots(pairs)
+        with tf.name_scope(name or self.name):
+            self._accumulate([g for g, _ in pairs], slots, pre_reduced)
+            self._step(slots)
+        return self.iterations
+
+    def _slots(self, pairs: list) -> list:
+        """The accumulator slot of each (gradient, variable) pair."""
         slots = []
         for grad, variable in pairs:
             index = self._index_dict.get(self._var_key(variable))
@@ -314,10 +322,7 @@ class GradientAccumulationOptimizer(
             slots.append(
                 AccumulatorSlot(variable, self._accumulators[index], kind)
             )
-        with tf.name_scope(name or self.name):
-            self._accumulate([g for g, _ in pairs], slots, pre_reduced)
-            self._step(slots)
-        return self.iterations
+        return slots
 
     def _accumulate(self, grads: list, slots: list, pre_reduced: bool) -> None:
         """Add this replica's gradients to its own accumulators (local)."""

@@ -87,9 +87,8 @@ _SWAP_EMA = (
 # it cannot pass through the wrapper. The same at every K.
 KNOWN_DIFFERENCES = {
     "sgd_test:SGDTest.test_single_step": _VARIABLES_LAYOUT,
-    "optimizer_test:OptimizerTest.test_setting_lr_to_callable_untracks_lr_var": (
-        _VARIABLES_LAYOUT
-    ),
+    "optimizer_test:OptimizerTest."
+    "test_setting_lr_to_callable_untracks_lr_var": _VARIABLES_LAYOUT,
     "schedules.learning_rate_schedule_test:TestFitLRSchedulesFlow."
     "test_fit_lr_correctness": _VARIABLES_LAYOUT,
     "optimizer_test:OptimizerTest.test_get_method": _NOT_AN_INSTANCE,

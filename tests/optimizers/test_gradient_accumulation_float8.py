@@ -8,13 +8,15 @@ the wrapper is that built-in accumulation on one device.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from _training import assert_weights_close, regression_data
 from conftest import make_strategy
 
 from keras_mgpu import GradientAccumulationOptimizer
-from keras_mgpu._flavour import keras
+from keras_mgpu._flavour import keras, tf
 
 ACCUMULATION = 3
 MICRO_BATCH = 8
@@ -30,7 +32,10 @@ def _float8_model() -> keras.Model:
             keras.layers.Dense(1),
         ]
     )
-    model.quantize("float8")
+    with warnings.catch_warnings():
+        # "Layer InputLayer does not have a `quantize` method implemented."
+        warnings.simplefilter("ignore", UserWarning)
+        model.quantize("float8")
     return model
 
 
@@ -39,6 +44,7 @@ def _overwritten(model) -> list:
 
 
 def _fit(strategy, optimizer_fn, epochs=2):
+    """`model.fit` of the float8 model; returns it and its loss history."""
     x, y = regression_data(SAMPLES)
     with strategy.scope():
         model = _float8_model()
@@ -77,9 +83,9 @@ def test_float8_equals_keras_builtin_accumulation():
     assert_weights_close(
         model.get_weights(), builtin.get_weights(), rtol=1e-5, atol=1e-6
     )
-    # The histories moved: the maximum, not a mean, was written.
+    # One amax entry per update (2 epochs x 4 windows), not per micro-step.
     history = model.layers[0].inputs_amax_history.numpy()
-    assert history[0] > 0 and history[1] > 0
+    assert np.count_nonzero(history) == 8
 
 
 @pytest.mark.slow
@@ -91,10 +97,13 @@ def test_float8_under_mirrored_trains_like_one_device():
         replicas = strategy.experimental_local_results(variable.value)
         for replica in replicas[1:]:
             np.testing.assert_array_equal(replica.numpy(), replicas[0].numpy())
-    # The maximum over micro-steps and replicas is one large batch's.
-    one_device, _ = _default_wrapper_run()
+    # Close to one device, not equal: float8 rounds activations and
+    # gradients to 3 (or 2) mantissa bits, so the float rounding of a batch
+    # split over replicas can move a value one float8 step.
+    one_device, one_device_losses = _default_wrapper_run()
+    np.testing.assert_allclose(losses, one_device_losses, rtol=1e-2)
     assert_weights_close(
-        model.get_weights(), one_device.get_weights(), rtol=1e-4, atol=1e-5
+        model.get_weights(), one_device.get_weights(), rtol=0, atol=1e-2
     )
 
 
@@ -109,3 +118,45 @@ def test_keras_float8_scales_diverge_across_mirrored_replicas():
     history = model.layers[0].inputs_amax_history
     first, second = strategy.experimental_local_results(history.value)
     assert not np.array_equal(first.numpy(), second.numpy())
+
+
+def test_window_maximum_resumes_from_a_checkpoint_under_mirrored(tmp_path):
+    """The running maximum is saved once (all replicas hold it) and restored
+    to every replica, so a window resumes exactly, here from 2 replicas on
+    4."""
+
+    def build(strategy):
+        with strategy.scope():
+            scale = keras.Variable(np.zeros((3,), "float32"), name="scale")
+            scale.overwrite_with_gradient = True
+            optimizer = GradientAccumulationOptimizer(
+                keras.optimizers.SGD(0.1), 2
+            )
+            optimizer.build([scale])
+        return scale, optimizer
+
+    def micro_step(strategy, scale, optimizer, values):
+        def replica_fn():
+            context = tf.distribute.get_replica_context()
+            replica = tf.cast(context.replica_id_in_sync_group, "float32")
+            # Each replica reports its own amax; the window keeps the max.
+            optimizer.apply([values[0] + replica * values[1]], [scale])
+
+        strategy.run(tf.function(replica_fn))
+
+    first = tf.constant([[1.0, 5.0, 2.0], [3.0, -4.0, 0.0]])
+    second = tf.constant([[2.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    strategy = make_strategy("mirrored_2")
+    scale, optimizer = build(strategy)
+    micro_step(strategy, scale, optimizer, first)
+    path = tf.train.Checkpoint(optimizer=optimizer).write(
+        str(tmp_path / "ckpt")
+    )
+    strategy = make_strategy("mirrored_4")
+    restored_scale, restored = build(strategy)
+    tf.train.Checkpoint(optimizer=restored).read(path)
+    (accumulator,) = restored.accumulators
+    for copy in strategy.experimental_local_results(accumulator.value):
+        np.testing.assert_array_equal(copy.numpy(), [4.0, 5.0, 2.0])
+    micro_step(strategy, restored_scale, restored, second)
+    np.testing.assert_array_equal(restored_scale.numpy(), [4.0, 5.0, 2.0])
