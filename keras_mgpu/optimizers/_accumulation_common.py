@@ -121,13 +121,13 @@ def deduplicate_rows(slices: tf.IndexedSlices) -> tf.IndexedSlices:
     return tf.IndexedSlices(values, unique, slices.dense_shape)
 
 
-def scale_gradient(gradient: Any, factor: Any) -> Any:
-    """`gradient * factor` for a dense tensor or `tf.IndexedSlices`."""
+def divide_gradient(gradient: Any, divisor: Any) -> Any:
+    """`gradient / divisor` for a dense tensor or `tf.IndexedSlices`."""
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(
-            gradient.values * factor, gradient.indices, gradient.dense_shape
+            gradient.values / divisor, gradient.indices, gradient.dense_shape
         )
-    return gradient * factor
+    return gradient / divisor
 
 
 def reject_wrapper_arguments(kwargs: dict, inner_only: tuple) -> None:

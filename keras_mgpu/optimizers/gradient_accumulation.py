@@ -20,9 +20,9 @@ from keras_mgpu.optimizers._accumulation_common import (
     check_inner_is_not_a_wrapper,
     check_momentum_correction,
     deduplicate_rows,
+    divide_gradient,
     overwrites_with_gradient,
     reject_wrapper_arguments,
-    scale_gradient,
     scatter_add_locally,
     touched_rows,
     variable_name,
@@ -467,7 +467,7 @@ class GradientAccumulationOptimizer(
                 continue
             grad = tf.cast(grad, slot.accumulator.dtype)
             if self.loss_scale_factor is not None:
-                grad = scale_gradient(grad, 1.0 / self.loss_scale_factor)
+                grad = divide_gradient(grad, self.loss_scale_factor)
             if isinstance(grad, tf.IndexedSlices):
                 # Only the looked-up rows are written.
                 scatter_add_locally(slot.accumulator.value, grad)

@@ -19,8 +19,8 @@ from keras_mgpu.optimizers._accumulation_common import (
     all_finite,
     check_inner_is_not_a_wrapper,
     check_momentum_correction,
+    divide_gradient,
     reject_wrapper_arguments,
-    scale_gradient,
     scatter_add_locally,
     touched_rows,
 )
@@ -331,7 +331,7 @@ class GradientAccumulationOptimizer(
             grad = tf.cast(grad, slot.accumulator.dtype)
             if pre_reduced and replicas > 1:
                 # Keep "the sum over replicas is the global gradient sum".
-                grad = scale_gradient(grad, 1.0 / replicas)
+                grad = divide_gradient(grad, replicas)
             if isinstance(grad, tf.IndexedSlices):
                 # Only the looked-up rows are written.
                 scatter_add_locally(slot.accumulator, grad)

@@ -343,7 +343,7 @@ def _sum_instead_of_mean() -> dict:
 
     def local_sum(self, slot):
         mean = original(self, slot)
-        return _module.scale_gradient(mean, self.accumulation_steps)
+        return _module.divide_gradient(mean, 1 / self.accumulation_steps)
 
     return {"_local_mean": local_sum}
 
@@ -354,7 +354,7 @@ def _update_every_micro_step() -> dict:
     def micro_gradient(self, slot):
         # The accumulator holds this micro-step's gradient only.
         mean = original(self, slot)
-        return _module.scale_gradient(mean, self.accumulation_steps)
+        return _module.divide_gradient(mean, 1 / self.accumulation_steps)
 
     return {
         "_window_complete": lambda self: tf.constant(True),
