@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
 import numpy as np
 
-from keras_mgpu._flavour import check_flavour, keras, register_serializable, tf
+from keras_mgpu._flavour import (
+    check_flavour,
+    keras_of,
+    register_serializable,
+    tf,
+)
 from keras_mgpu._validation import check_int
 from keras_mgpu.optimizers._accumulation_common import (
     DENSE,
@@ -24,6 +30,10 @@ from keras_mgpu.optimizers._accumulation_common import (
     scatter_add_locally,
     touched_rows,
 )
+
+# tf_keras whatever TF_USE_LEGACY_KERAS says: this class serves tf_keras
+# optimizers (keras_mgpu.GradientAccumulationOptimizer picks it for them).
+keras = keras_of("tf_keras")
 
 _INNER_ONLY_ARGUMENTS = INNER_ONLY_ARGUMENTS + ("jit_compile", "mesh")
 
@@ -42,7 +52,7 @@ def _true_dtype(variable: Any) -> tf.DType:
     return getattr(variable, "true_dtype", variable.dtype)
 
 
-@register_serializable
+@functools.partial(register_serializable, flavour="tf_keras")
 class GradientAccumulationOptimizer(
     AccumulationProtocol, keras.optimizers.Optimizer
 ):
@@ -161,7 +171,7 @@ class GradientAccumulationOptimizer(
 
     @staticmethod
     def _check_inner(inner_optimizer: Any) -> None:
-        check_flavour(inner_optimizer, "inner_optimizer")
+        check_flavour(inner_optimizer, "inner_optimizer", "tf_keras")
         check_inner_is_not_a_wrapper(
             inner_optimizer,
             GradientAccumulationOptimizer,

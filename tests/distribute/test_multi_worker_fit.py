@@ -116,20 +116,17 @@ def test_a_slow_worker_is_flagged_on_every_worker(cluster):
             for name in ("step_ms", "wait_ms", "busy_ms"):
                 assert f"workers/w{worker}_{name}" in logs
         assert logs["workers/slowest"] == 1.0
-        # 30 ms more per step on worker 1; worker 0 waits for it.
-        assert logs["workers/w1_busy_ms"] - logs["workers/w0_busy_ms"] > 20
-        assert logs["workers/w0_wait_ms"] > logs["workers/w1_wait_ms"]
-        assert logs["workers/step_time_ratio"] > 1.25
-        assert (
-            logs["workers/step_time_ratio"]
-            > balanced["logs"]["workers/step_time_ratio"]
+        # 100 ms more per step on worker 1; worker 0 waits for it. (The
+        # step times themselves are equal: the workers move in lockstep.)
+        assert logs["workers/w1_busy_ms"] - logs["workers/w0_busy_ms"] > 50
+        assert logs["workers/w0_wait_ms"] - logs["workers/w1_wait_ms"] > 50
+        assert logs["workers/w0_step_ms"] == pytest.approx(
+            logs["workers/w1_step_ms"], rel=0.1
         )
+        assert logs["workers/step_time_ratio"] > 1.25
         (warning,) = slow["warnings"]
         assert "worker 1 is a straggler" in warning
-    assert (
-        cluster[0]["stragglers"]["1"]["logs"]
-        == (cluster[1]["stragglers"]["1"]["logs"])
-    )
+    assert cluster[0]["straggler"]["logs"] == cluster[1]["straggler"]["logs"]
 
 
 @pytest.mark.slow
