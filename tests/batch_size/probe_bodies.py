@@ -1,0 +1,128 @@
+"""Batch-size probe bodies that run in processes of their own (see
+tests/_processes.py): with TensorFlow's CPU allocator statistics
+(`TF_ENABLE_ONEDNN_OPTS=1`, which must be set before TensorFlow starts) and
+in multi-worker clusters.
+
+`TF_NUM_INTEROP_THREADS=1` in the real-peak process: with parallel ops the
+order in which buffers are freed varies from step to step, and the peak
+with it (up to ~10% for the MLP). What remains is a dependence on the
+process's history (see `_remeasuring_search`).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# (model, budget MB): each search takes a few seconds on 2 cores.
+REAL_PEAK_BUDGETS = {"cnn": 32.0, "mlp": 32.0}
+# The re-measurement's second batch: 4 search resolutions above the answer,
+# beyond the CPU allocator's history noise.
+ABOVE = 1.125
+
+
+def cnn(keras):
+    layers = keras.layers
+    return keras.Sequential(
+        [
+            keras.Input((12, 12, 3)),
+            *[
+                layers.Conv2D(16, 3, padding="same", activation="relu")
+                for _ in range(5)
+            ],
+            layers.MaxPooling2D(),
+            layers.Flatten(),
+            layers.Dense(10),
+        ],
+        name="cnn",
+    )
+
+
+def mlp(keras):
+    layers = keras.layers
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            *[layers.Dense(256, activation="relu") for _ in range(6)],
+            layers.Dense(10),
+        ],
+        name="mlp",
+    )
+
+
+def _data(name):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    shape = (12, 12, 3) if name == "cnn" else (64,)
+    x = rng.random((64, *shape), dtype="float32")
+    y = rng.integers(0, 10, 64)
+    return x, y
+
+
+def _compiled(name):
+    from keras_mgpu._flavour import keras
+
+    keras.utils.set_random_seed(0)
+    model = {"cnn": cnn, "mlp": mlp}[name](keras)
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _remeasuring_search(remeasured: list):
+    """The search, followed by a re-measurement with the same copy of its
+    answer and of a batch `ABOVE` times larger. (A fresh copy would not
+    do: on CPU with oneDNN a step's peak depends by up to ~15% on which
+    batch sizes the process ran before.)"""
+    from keras_mgpu.batch_size import finder as module
+
+    search = module.search_batch_size
+
+    def search_then_remeasure(measure, *args):
+        outcome = search(measure, *args)
+        best = outcome.best.batch_size
+        for batch in (best, round(best * ABOVE)):
+            remeasured.append(measure(batch)[0])
+        return outcome
+
+    module.search_batch_size = search_then_remeasure
+    return search
+
+
+def real_peaks(task_index: int) -> dict:
+    """find_batch_size on a CNN and an MLP, with the allocator's real
+    figures, and a re-measurement of its answer and of the bracket's upper
+    end."""
+    from keras_mgpu import find_batch_size
+    from keras_mgpu.batch_size import finder as module
+    from keras_mgpu.batch_size.search import resolution
+
+    results = {}
+    for name, budget in REAL_PEAK_BUDGETS.items():
+        model, data = _compiled(name), _data(name)
+        remeasured: list = []
+        search = _remeasuring_search(remeasured)
+        try:
+            r = find_batch_size(model, data, memory_budget_mb=budget)
+        finally:
+            module.search_batch_size = search
+        results[name] = {
+            "batch_size": r.batch_size,
+            "upper_bound": r.upper_bound,
+            "resolution": resolution(r.batch_size, 1),
+            "peak_mb": r.peak_mb,
+            "measured_peak_mb": r.measured_peak_mb,
+            "fixed_mb": r.fixed_mb,
+            "per_sample_mb": r.per_sample_mb,
+            "budget_mb": r.budget_mb,
+            "limited_by": r.limited_by,
+            "measurements": r.measurements,
+            "seconds": r.search_seconds,
+            "remeasured": remeasured,
+        }
+    return results
