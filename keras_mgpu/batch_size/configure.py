@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from keras_mgpu._flavour import keras, tf
-from keras_mgpu._validation import check_choice, check_int
+from keras_mgpu._validation import check_choice, check_int, check_number
 from keras_mgpu.batch_size.finder import (
     BatchSizeResult,
     find_batch_size,
@@ -138,6 +138,7 @@ def configure_batch(
     check_int(base_batch_size, "base_batch_size", minimum=1, allow_none=True)
     check_choice(scaling_rule, "scaling_rule", SCALING_RULES)
     check_int(max_batch_size, "max_batch_size", minimum=1, allow_none=True)
+    check_number(min_fill, "min_fill", minimum=0.0, maximum=1.0)
     verbose = check_int(verbose, "verbose", minimum=0)
     strategy = current_strategy(
         strategy or getattr(model, "distribute_strategy", None)

@@ -31,6 +31,7 @@ class FakeAllocator:
         self.batch = 0
         self.steps: list[int] = []
         self.probe_strategies: list = []
+        self.probe_optimizers: list = []
 
     def peak(self, batch: int) -> float:
         return self.fixed_mb + self.per_sample_mb * batch
@@ -58,6 +59,7 @@ def fake_allocator(monkeypatch):
         fake.batch = batch_size
         fake.steps.append(batch_size)
         fake.probe_strategies.append(self.model.distribute_strategy)
+        fake.probe_optimizers.append(self.model.optimizer)
         if fake.oom_above is not None and batch_size > fake.oom_above:
             raise tf.errors.ResourceExhaustedError(
                 None, None, "OOM when allocating tensor (fake)"

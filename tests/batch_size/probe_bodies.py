@@ -126,3 +126,44 @@ def real_peaks(task_index: int) -> dict:
             "remeasured": remeasured,
         }
     return results
+
+
+# Each worker's own budget: worker 1 has less, so both must get its answer.
+WORKER_BUDGETS_MB = (20.0, 14.0)
+WORKER_GLOBAL_BATCH = 8192
+
+
+def multi_worker_configure(task_index: int) -> dict:
+    """configure_batch on every worker of a MultiWorkerMirroredStrategy
+    cluster (Keras 3 `fit` does not run there yet, so only the search and
+    the plan), each with its own memory budget."""
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    from keras_mgpu import configure_batch
+
+    with strategy.scope():
+        model = _compiled("mlp")
+    setup = configure_batch(
+        model,
+        _data("mlp"),
+        WORKER_GLOBAL_BATCH,
+        base_batch_size=256,
+        memory_budget_mb=WORKER_BUDGETS_MB[task_index],
+        verbose=0,
+    )
+    search = setup.search
+    return {
+        "replicas": setup.num_replicas,
+        "device": search.device,
+        "batch_size": search.batch_size,
+        "worker_batch_sizes": list(search.worker_batch_sizes),
+        "own_measurements": search.measurements,
+        "fixed_mb": search.fixed_mb,
+        "per_sample_mb": search.per_sample_mb,
+        "per_replica_batch_size": setup.per_replica_batch_size,
+        "accumulation_steps": setup.accumulation_steps,
+        "learning_rate": setup.learning_rate,
+        "optimizer": type(setup.optimizer).__name__,
+        "explanation": setup.explanation,
+    }
