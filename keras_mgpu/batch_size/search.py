@@ -69,18 +69,24 @@ class LinearFit:
     @classmethod
     def least_squares(cls, measurements: list[Measurement]) -> LinearFit:
         """The least-squares line through the measurements with peaks (a
-        flat line when they have a single batch size)."""
-        points = [m for m in measurements if m.peak_mb is not None]
-        sizes = tuple(sorted({m.batch_size for m in points}))
-        mean_b = sum(m.batch_size for m in points) / len(points)
-        mean_p = sum(m.peak_mb for m in points) / len(points)
-        spread = sum((m.batch_size - mean_b) ** 2 for m in points)
+        flat line when they have a single batch size), with `fixed_mb >=
+        0`: a line that would cross zero above batch 0 (allocator steps
+        near the answer can tilt it so) goes through the origin instead."""
+        points = [(m.batch_size, m.peak_mb) for m in measurements]
+        points = [(b, p) for b, p in points if p is not None]
+        sizes = tuple(sorted({b for b, _ in points}))
         if len(sizes) < 2:
-            return cls(max(m.peak_mb for m in points), 0.0, sizes)
-        slope = (
-            sum((m.batch_size - mean_b) * (m.peak_mb - mean_p) for m in points)
-            / spread
+            return cls(max(p for _, p in points), 0.0, sizes)
+        mean_b = sum(b for b, _ in points) / len(points)
+        mean_p = sum(p for _, p in points) / len(points)
+        slope = sum((b - mean_b) * (p - mean_p) for b, p in points) / sum(
+            (b - mean_b) ** 2 for b, _ in points
         )
+        if mean_p - slope * mean_b < 0:
+            through_origin = sum(b * p for b, p in points) / sum(
+                b * b for b, _ in points
+            )
+            return cls(0.0, through_origin, sizes)
         return cls(mean_p - slope * mean_b, slope, sizes)
 
     def predict(self, batch_size: int) -> float:

@@ -167,3 +167,9 @@ def test_linear_fit():
     assert lsq.batch_sizes == (100, 200, 300)
     single = LinearFit.least_squares([a, Measurement(100, 32.0)])
     assert (single.fixed_mb, single.per_sample_mb) == (32.0, 0.0)
+    # A line that would start below zero goes through the origin.
+    steep = LinearFit.least_squares([Measurement(100, 5.0), b])
+    assert steep.fixed_mb == 0.0
+    assert steep.per_sample_mb == pytest.approx(
+        (100 * 5.0 + 300 * 70.0) / (100**2 + 300**2)
+    )
