@@ -309,11 +309,14 @@ class _Search:
 
     def _line(self, fitting: list, hi: Measurement | None) -> LinearFit:
         """Interpolate between the bracket's ends when the upper one has a
-        peak; else extrapolate from the two largest batches that fit."""
+        peak; else extrapolate from the largest batch that fits and one at
+        most half as large: over a long base the allocator's plateaus
+        average out (two neighbours on one plateau give a flat line)."""
         lo = fitting[-1]
         if hi is not None and not hi.out_of_memory:
             return LinearFit.through(lo, hi)
-        below = fitting[-2] if len(fitting) > 1 else lo
+        far = [m for m in fitting if 2 * m.batch_size <= lo.batch_size]
+        below = far[-1] if far else fitting[max(len(fitting) - 2, 0)]
         return LinearFit.through(below, lo)
 
     def _reported_fit(self, answer: int) -> LinearFit:
