@@ -134,6 +134,40 @@ def test_dict_inputs_and_explanation(fake_allocator, capsys):
         assert text in printed
 
 
+def test_workers_take_the_smallest_answer(fake_allocator, monkeypatch):
+    # The all-reduce itself runs in test_multi_worker.py; here another
+    # worker's row is made up.
+    from keras_mgpu.batch_size import agreement
+
+    other = np.array([1, 150, 9.0, 0.4, 69.0, 68.0, 1e-4, 80.0, 155, 0, 2.0])
+    monkeypatch.setattr(
+        agreement, "gather_rows", lambda strategy, row: np.stack([row, other])
+    )
+    model = _compiled(tf.distribute.get_strategy())
+    result = find_batch_size(model, (X, Y), memory_budget_mb=100.0)
+    assert result.worker_batch_sizes == (180, 150)
+    assert (result.batch_size, result.fixed_mb, result.upper_bound) == (
+        150,
+        9.0,
+        155,
+    )
+    assert result.budget_mb == 80.0
+    assert "the smallest of the workers' answers [180, 150]" in (
+        result.explain()
+    )
+    # A worker whose probe failed fails every worker (none waits forever).
+    monkeypatch.setattr(
+        agreement,
+        "gather_rows",
+        lambda strategy, row: np.stack([row, np.zeros_like(row)]),
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"find_batch_size failed on worker\(s\) \[1\]: see their",
+    ):
+        find_batch_size(model, (X, Y), memory_budget_mb=100.0)
+
+
 def test_memory_fraction_of_a_gpu_and_unknown_capacity(fake_allocator):
     from keras_mgpu.batch_size.finder import _budget
 
