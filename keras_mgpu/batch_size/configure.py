@@ -8,11 +8,9 @@ from typing import Any
 
 from keras_mgpu._flavour import keras, tf
 from keras_mgpu._validation import check_choice, check_int, check_number
-from keras_mgpu.batch_size.finder import (
-    BatchSizeResult,
-    find_batch_size,
-)
+from keras_mgpu.batch_size.finder import BatchSizeResult, probe_batch_size
 from keras_mgpu.batch_size.plan import DEFAULT_MIN_FILL, BatchPlan, plan_batch
+from keras_mgpu.batch_size.search import DEFAULT_MAX_TRIALS
 from keras_mgpu.distribute import current_strategy, num_replicas_in_sync
 from keras_mgpu.distribute import worker_info as _worker_info
 from keras_mgpu.schedules.scaling import SCALING_RULES, scaled_learning_rate
@@ -148,16 +146,18 @@ def configure_batch(
     if global_batch_size % replicas:
         plan_batch(global_batch_size, max(share, 1), num_replicas=replicas)
     cap = share if max_batch_size is None else min(share, max_batch_size)
-    search = find_batch_size(
+    search = probe_batch_size(
         model,
         data,
-        memory_fraction,
-        max(cap, multiple_of),
-        device,
+        memory_fraction=memory_fraction,
+        max_batch_size=max(cap, multiple_of),
+        device=device,
         memory_budget_mb=memory_budget_mb,
         multiple_of=multiple_of,
         strategy=strategy,
-        _accumulate=True,
+        max_trials=DEFAULT_MAX_TRIALS,
+        verbose=0,
+        accumulate=True,
     )
     plan = plan_batch(
         global_batch_size,

@@ -121,7 +121,6 @@ def find_batch_size(
     strategy: tf.distribute.Strategy | None = None,
     max_trials: int = DEFAULT_MAX_TRIALS,
     verbose: int = 0,
-    _accumulate: bool = False,
 ) -> BatchSizeResult:
     """The largest per-replica batch whose training step fits in memory.
 
@@ -186,6 +185,37 @@ def find_batch_size(
     print(result.batch_size, result.fixed_mb, result.per_sample_mb)
     ```
     """
+    return probe_batch_size(
+        model,
+        data,
+        memory_fraction=memory_fraction,
+        max_batch_size=max_batch_size,
+        device=device,
+        memory_budget_mb=memory_budget_mb,
+        multiple_of=multiple_of,
+        strategy=strategy,
+        max_trials=max_trials,
+        verbose=verbose,
+        accumulate=False,
+    )
+
+
+def probe_batch_size(
+    model: Any,
+    data: Any,
+    *,
+    memory_fraction: float | None,
+    max_batch_size: int | None,
+    device: str | None,
+    memory_budget_mb: float | None,
+    multiple_of: int,
+    strategy: Any,
+    max_trials: int,
+    verbose: int,
+    accumulate: bool,
+) -> BatchSizeResult:
+    """`find_batch_size`, optionally with the copy's optimizer wrapped in
+    `GradientAccumulationOptimizer` (`accumulate`, for `configure_batch`)."""
     _check_arguments(
         memory_fraction, memory_budget_mb, max_batch_size, multiple_of
     )
@@ -194,7 +224,7 @@ def find_batch_size(
     strategy = current_strategy(
         strategy or getattr(model, "distribute_strategy", None)
     )
-    blueprint = probe_module.ModelBlueprint(model, accumulate=_accumulate)
+    blueprint = probe_module.ModelBlueprint(model, accumulate=accumulate)
     samples = SampleBatches(data)
     reader = probe_module.memory_reader()
     device = _probe_device(strategy, device, reader)
@@ -209,18 +239,14 @@ def find_batch_size(
                 samples,
                 device,
                 reader,
-                budget_mb,
-                max_batch_size,
-                multiple_of,
-                max_trials,
+                (budget_mb, max_batch_size, multiple_of, max_trials),
             )
         )
         error = None
     except Exception as exc:  # shared with the other workers, then raised
         outcome, error = None, exc
     seconds = time.perf_counter() - start
-    row = _to_row(outcome, budget_mb, seconds)
-    rows = agreement.gather_rows(strategy, row)
+    rows = agreement.gather_rows(strategy, _to_row(outcome, budget_mb, seconds))
     if error is not None:
         raise _explained(error, memory_fraction, memory_budget_mb, source)
     failed = [i for i, r in enumerate(rows) if not r[0]]
@@ -268,15 +294,14 @@ def _check_arguments(
 
 
 def _search_on_device(
-    blueprint, samples, device, reader, budget_mb, cap, multiple_of, trials
+    blueprint, samples, device, reader, search_arguments: tuple
 ) -> SearchOutcome:
-    """The search, in the probe thread: build the copy, step, clean up."""
+    """The search, in the probe thread: build the copy, step, clean up.
+    `search_arguments`: budget, cap, multiple_of, max_trials."""
     probe = probe_module.StepProbe(blueprint, samples, device, reader)
     probe.open()
     try:
-        return search_batch_size(
-            probe.measure, budget_mb, cap, multiple_of, trials
-        )
+        return search_batch_size(probe.measure, *search_arguments)
     finally:
         probe.close()
 
