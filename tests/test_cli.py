@@ -392,3 +392,17 @@ def test_demo_global_batch_by_memory(tmp_path):
     assert "One training step of 'digits_cnn'" in out
     assert f"largest micro-batch {found['largest_batch_size']}" in out
     assert "batch by memory" in out
+
+
+def test_demo_global_batch_larger_than_the_data():
+    from keras_mgpu import demo
+
+    config = demo.DemoConfig(output_dir="", global_batch_size=5000)
+    with pytest.raises(
+        ValueError,
+        match="--global-batch 5000 is larger than the 1437 training images: "
+        "use at most 1437",
+    ):
+        demo._batch_by_memory(
+            config, demo.tf.distribute.get_strategy(), demo.load_digits_split()
+        )

@@ -287,6 +287,17 @@ class _NoConfig(keras.Model):
             r"counts \[3, 16\]",
         ),
         (
+            {"data": (np.float32(1.0), Y)},
+            ValueError,
+            "Argument `data` has a scalar where arrays with a leading sample "
+            "axis are expected",
+        ),
+        (
+            {"data": (tf.ragged.constant([[1.0], [1.0, 2.0]]), Y[:2])},
+            TypeError,
+            "Argument `data` holds a ragged or sparse tensor",
+        ),
+        (
             {"data": (X, Y, Y, Y)},
             ValueError,
             "Received: a tuple of 4 items",
