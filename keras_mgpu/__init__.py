@@ -26,12 +26,16 @@ _EXPORTS = {
     "RecomputeGrad": "keras_mgpu.layers",
     "Warmup": "keras_mgpu.schedules",
     "apply_recompute": "keras_mgpu.layers",
+    "configure_batch": "keras_mgpu.batch_size",
+    "find_batch_size": "keras_mgpu.batch_size",
     "global_batch_size": "keras_mgpu.distribute",
     "num_replicas_in_sync": "keras_mgpu.distribute",
+    "plan_batch": "keras_mgpu.batch_size",
     "scaled_learning_rate": "keras_mgpu.schedules",
     "strip_recompute": "keras_mgpu.layers",
 }
 _SUBMODULES = (
+    "batch_size",
     "callbacks",
     "distribute",
     "layers",
@@ -44,6 +48,7 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
 if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
     from keras_mgpu import (
+        batch_size,  # noqa: F401
         callbacks,  # noqa: F401
         distribute,  # noqa: F401
         layers,  # noqa: F401
@@ -52,6 +57,11 @@ if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
         schedules,  # noqa: F401
     )
     from keras_mgpu._flavour import FLAVOUR  # noqa: F401
+    from keras_mgpu.batch_size import (
+        configure_batch,  # noqa: F401
+        find_batch_size,  # noqa: F401
+        plan_batch,  # noqa: F401
+    )
     from keras_mgpu.distribute import (
         global_batch_size,  # noqa: F401
         num_replicas_in_sync,  # noqa: F401

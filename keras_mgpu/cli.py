@@ -132,9 +132,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--batch-size",
         type=_int_type(1),
-        default=32,
+        default=None,
         metavar="N",
         help="batch per replica and micro-step (default 32)",
+    )
+    demo.add_argument(
+        "--global-batch",
+        type=_int_type(1),
+        default=None,
+        metavar="N",
+        help=(
+            "examples per update: the largest micro-batch that fits in "
+            "memory is measured (keras_mgpu.configure_batch) and "
+            "accumulation makes up the rest; replaces --batch-size and "
+            "--accumulation-steps"
+        ),
+    )
+    demo.add_argument(
+        "--memory-budget-mb",
+        type=_positive_float,
+        default=None,
+        metavar="MB",
+        help=(
+            "with --global-batch: memory budget of one replica's training "
+            "step (default: 90%% of the device's memory)"
+        ),
     )
     demo.add_argument(
         "--accumulation-steps",
@@ -295,6 +317,19 @@ def _check_demo_args(parser: argparse.ArgumentParser, args) -> None:
         demo_parser.error(
             "--accumulation-steps cannot be combined with --no-accumulation"
         )
+    if args.global_batch is not None:
+        for given, option in (
+            (args.batch_size, "--batch-size"),
+            (args.accumulation_steps, "--accumulation-steps"),
+            (None if args.accumulation else True, "--no-accumulation"),
+        ):
+            if given is not None:
+                demo_parser.error(
+                    f"--global-batch cannot be combined with {option} (the "
+                    "batch and accumulation come from the memory search)"
+                )
+    elif args.memory_budget_mb is not None:
+        demo_parser.error("--memory-budget-mb needs --global-batch")
     if not args.warmup and args.warmup_epochs is not None:
         demo_parser.error("--warmup-epochs cannot be combined with --no-warmup")
     if args.output is not None and os.path.isfile(args.output):
@@ -377,7 +412,9 @@ def _train_demo(args, output: str) -> tuple:
     config = demo.DemoConfig(
         output_dir=output,
         epochs=args.epochs,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size or 32,
+        global_batch_size=args.global_batch,
+        memory_budget_mb=args.memory_budget_mb,
         accumulation=args.accumulation,
         accumulation_steps=args.accumulation_steps or 2,
         warmup=args.warmup,

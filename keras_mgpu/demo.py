@@ -41,6 +41,10 @@ class DemoConfig:
     output_dir: str
     epochs: int = 10
     batch_size: int = 32  # per replica, per micro-step
+    # When set, batch_size and accumulation_steps come from the memory
+    # search (`keras_mgpu.configure_batch`).
+    global_batch_size: int | None = None
+    memory_budget_mb: float | None = None
     accumulation_steps: int = 2
     accumulation: bool = True
     warmup: bool = True
@@ -379,6 +383,61 @@ def _compiled_model(config: DemoConfig, strategy: Any) -> tuple[Any, int]:
     return model, examples_per_update
 
 
+def _batch_by_memory(
+    config: DemoConfig, strategy: Any, data: tuple
+) -> tuple[DemoConfig, dict]:
+    """`config` with the per-replica batch and accumulation steps that
+    reach `config.global_batch_size` with the largest micro-batch that
+    fits (`configure_batch`, which prints why), and what it found."""
+    from keras_mgpu import configure_batch
+
+    x_train, y_train = data[0], data[1]
+    replicas = strategy.num_replicas_in_sync
+    if config.global_batch_size > len(x_train):
+        raise ValueError(
+            f"--global-batch {config.global_batch_size} is larger than the "
+            f"{len(x_train)} training images: use at most {len(x_train)}"
+        )
+    plain = dataclasses.replace(config, accumulation=False)
+    model, _ = _compiled_model(plain, strategy)
+    setup = configure_batch(
+        model,
+        (x_train, y_train),
+        config.global_batch_size,
+        base_batch_size=BASE_BATCH_SIZE if config.scaling else None,
+        memory_budget_mb=config.memory_budget_mb,
+        # One step of every replica must fit in the training set.
+        max_batch_size=len(x_train) // replicas,
+        strategy=strategy,
+        verbose=int(config.progress),
+    )
+    # The probe model drew initial weights: the trained one starts from
+    # the same ones as without the search.
+    keras.utils.set_random_seed(config.seed)
+    steps = setup.accumulation_steps
+    search = setup.search
+    found = {
+        "largest_batch_size": search.batch_size,
+        "peak_mb": search.peak_mb,
+        "measured_peak_mb": search.measured_peak_mb,
+        "budget_mb": search.budget_mb,
+        "budget_source": search.budget_source,
+        "fixed_mb": search.fixed_mb,
+        "per_sample_mb": search.per_sample_mb,
+        "search_seconds": search.search_seconds,
+        "explanation": setup.explanation,
+    }
+    return (
+        dataclasses.replace(
+            config,
+            batch_size=setup.per_replica_batch_size,
+            accumulation=steps > 1,
+            accumulation_steps=steps,
+        ),
+        found,
+    )
+
+
 def _callbacks(config: DemoConfig, paths: _Paths, steps_per_epoch: int) -> list:
     """The demo's callbacks, in the order the README recommends."""
     from keras_mgpu import callbacks as mgpu_callbacks
@@ -485,6 +544,7 @@ def _summary(
         "steps_csv": os.path.abspath(paths.steps),
         "report": os.path.abspath(paths.png),
         "notes": run["notes"],
+        "batch_by_memory": run.get("batch_by_memory"),
     }
 
 
@@ -504,6 +564,9 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
 
     strategy = tf.distribute.MirroredStrategy(devices=device_info["devices"])
     replicas = strategy.num_replicas_in_sync
+    batch_by_memory = None
+    if config.global_batch_size is not None:
+        config, batch_by_memory = _batch_by_memory(config, strategy, data)
     train, test, steps_per_epoch = _datasets(config, replicas, data)
     model, examples_per_update = _compiled_model(config, strategy)
     history, train_seconds, notes = _fit_collecting_notes(
@@ -524,6 +587,7 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
         "test_images": len(data[2]),
         "train_seconds": train_seconds,
         "notes": notes,
+        "batch_by_memory": batch_by_memory,
     }
     summary = _summary(config, device_info, run, paths)
     plot_training_report(
@@ -545,6 +609,20 @@ def _report_title(summary: dict) -> str:
         f"final accuracy {summary['final_accuracy']:.3f}",
     ]
     return "  |  ".join(parts)
+
+
+def _batch_by_memory_rows(found: dict | None) -> list:
+    if not found:
+        return []
+    return [
+        (
+            "batch by memory",
+            f"largest micro-batch {found['largest_batch_size']:,} "
+            f"(measured peak {found['measured_peak_mb']:,.1f} MB of a "
+            f"{found['budget_mb']:,.1f} MB budget; search "
+            f"{found['search_seconds']:.1f} s)",
+        )
+    ]
 
 
 def format_summary(summary: dict, total_seconds: float | None = None) -> str:
@@ -589,6 +667,7 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
     rows = [
         ("devices", devices + " under MirroredStrategy"),
         ("global batch", batch),
+        *_batch_by_memory_rows(summary.get("batch_by_memory")),
         ("accumulation", accumulation),
         ("scaled learning rate", lr),
         ("warmup", warmup),

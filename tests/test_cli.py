@@ -88,6 +88,31 @@ def _is_png(path) -> bool:
             ["demo", "--no-warmup", "--warmup-epochs", "1"],
             "--warmup-epochs cannot be combined with --no-warmup",
         ),
+        (
+            ["demo", "--global-batch", "0"],
+            "argument --global-batch: must be an integer >= 1",
+        ),
+        (
+            ["demo", "--global-batch", "64", "--memory-budget-mb", "-1"],
+            "argument --memory-budget-mb: must be a number > 0",
+        ),
+        (
+            ["demo", "--global-batch", "64", "--batch-size", "8"],
+            "--global-batch cannot be combined with --batch-size (the batch "
+            "and accumulation come from the memory search)",
+        ),
+        (
+            ["demo", "--global-batch", "64", "--accumulation-steps", "2"],
+            "--global-batch cannot be combined with --accumulation-steps",
+        ),
+        (
+            ["demo", "--global-batch", "64", "--no-accumulation"],
+            "--global-batch cannot be combined with --no-accumulation",
+        ),
+        (
+            ["demo", "--memory-budget-mb", "10"],
+            "--memory-budget-mb needs --global-batch",
+        ),
         (["demo", "--no-such-option"], "unrecognized arguments"),
         (["report"], "the following arguments are required: RUN.csv"),
     ],
@@ -328,3 +353,56 @@ def test_demo_with_every_component_off(tmp_path):
         header = next(csv.reader(f))
     assert not any(k.startswith(("mem/", "cpu/", "gpu/")) for k in header)
     assert _is_png(tmp_path / "report.png")
+
+
+@pytest.mark.slow
+def test_demo_global_batch_by_memory(tmp_path):
+    # A budget of 4 MB fits micro-batches of about 128 of the digits CNN
+    # (TensorFlow's CPU allocator, oneDNN on in the demo's process): the
+    # global batch of 512 on 2 replicas needs accumulation.
+    result = _run(
+        [
+            "demo",
+            "--cpu",
+            "--epochs",
+            "1",
+            "--global-batch",
+            "512",
+            "--memory-budget-mb",
+            "4",
+            "--output",
+            str(tmp_path),
+        ],
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    found = summary["batch_by_memory"]
+    batch, steps = (
+        summary["per_replica_batch_size"],
+        summary["accumulation_steps"],
+    )
+    assert batch * 2 * steps == summary["global_batch_size"] == 512
+    assert steps > 1 and batch <= found["largest_batch_size"]
+    assert found["measured_peak_mb"] <= found["budget_mb"] == 4.0
+    assert summary["learning_rate"] == pytest.approx(1e-3 * 512 / 32)
+    out = result.stdout
+    assert found["explanation"] in out
+    assert "One training step of 'digits_cnn'" in out
+    assert f"largest micro-batch {found['largest_batch_size']}" in out
+    assert "batch by memory" in out
+
+
+def test_demo_global_batch_larger_than_the_data():
+    from keras_mgpu import demo
+
+    config = demo.DemoConfig(output_dir="", global_batch_size=5000)
+    with pytest.raises(
+        ValueError,
+        match="--global-batch 5000 is larger than the 1437 training images: "
+        "use at most 1437",
+    ):
+        demo._batch_by_memory(
+            config, demo.tf.distribute.get_strategy(), demo.load_digits_split()
+        )
