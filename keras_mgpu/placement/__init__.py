@@ -1,0 +1,18 @@
+"""Model parallelism: split one network across devices, pipeline it, and
+report where everything went."""
+
+from keras_mgpu.placement.apply_placement import apply_placement, strip_placement
+from keras_mgpu.placement.pipeline import MicroBatchConcat, MicroBatchSplit
+from keras_mgpu.placement.placed_layer import PlacedLayer
+from keras_mgpu.placement.placed_model import PlacedModel
+from keras_mgpu.placement.report import placement_report
+
+__all__ = [
+    "MicroBatchConcat",
+    "MicroBatchSplit",
+    "PlacedLayer",
+    "PlacedModel",
+    "apply_placement",
+    "placement_report",
+    "strip_placement",
+]
