@@ -3,7 +3,7 @@ report where everything went."""
 
 from keras_mgpu.placement.apply_placement import apply_placement, strip_placement
 from keras_mgpu.placement.pipeline import MicroBatchConcat, MicroBatchSplit
-from keras_mgpu.placement.placed_layer import PlacedLayer
+from keras_mgpu.placement.placed_layer import PlacedLayer, PlacedOperation
 from keras_mgpu.placement.placed_model import PlacedModel
 from keras_mgpu.placement.report import placement_report
 
@@ -12,6 +12,7 @@ __all__ = [
     "MicroBatchSplit",
     "PlacedLayer",
     "PlacedModel",
+    "PlacedOperation",
     "apply_placement",
     "placement_report",
     "strip_placement",

@@ -17,7 +17,7 @@ from keras_mgpu.placement import _graph
 from keras_mgpu.placement.devices import check_strategy, variables_on
 from keras_mgpu.placement.partition import assign_devices
 from keras_mgpu.placement.pipeline import MicroBatchConcat, MicroBatchSplit, pipelined
-from keras_mgpu.placement.placed_layer import PlacedLayer
+from keras_mgpu.placement.placed_layer import PlacedLayer, PlacedOperation
 from keras_mgpu.placement.placed_model import PlacedModel
 
 Policy = Union[str, Mapping[Any, Any], Sequence[Union[int, str]]]
@@ -74,13 +74,19 @@ def micro_batches_of(model: Any) -> int:
 def _place_layers(source: Any, device_of: dict[str, str]) -> Any:
     """A functional clone of `source` with each layer in a PlacedLayer."""
 
+    current = [next(iter(device_of.values()))]
+
     def clone_function(layer: Any) -> Any:
         if _graph.is_input_layer(layer):
             return _fresh_copy(layer)
-        device = device_of[layer.name]
+        # A bare operation (`x + y` in a functional graph) runs where the
+        # layer cloned just before it (graph order) runs.
+        device = device_of.get(layer.name, current[0])
+        current[0] = device
+        if not isinstance(layer, keras.layers.Layer):
+            return PlacedOperation(_fresh_copy(layer), device)
         with variables_on(device):
-            placed = PlacedLayer(_fresh_copy(layer), device)
-        return placed
+            return PlacedLayer(_fresh_copy(layer), device)
 
     functional = _graph.as_functional(source)
     clone = _graph.rebuild(functional, clone_function)
@@ -227,6 +233,8 @@ def strip_placement(model: Any) -> Any:
     def clone_function(layer: Any) -> Any:
         if isinstance(layer, PlacedLayer):
             return _fresh_copy(layer.layer)
+        if isinstance(layer, PlacedOperation):
+            return _fresh_copy(layer.operation)
         return _fresh_copy(layer)
 
     clone = _graph.rebuild(_graph.as_functional(stages), clone_function)

@@ -3,7 +3,9 @@ device, its backward pass included."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import warnings
 from typing import Any
 
 from keras_mgpu._flavour import check_flavour, keras, register_serializable, tf
@@ -49,12 +51,14 @@ def _differentiable(variable: Any) -> bool:
 
 
 @register_serializable
-class PlacedLayer(keras.layers.Wrapper):
+class PlacedLayer(keras.layers.Layer):
     """Runs a layer on one device: its variables, its forward pass and its
     backward pass.
 
-    `apply_placement` wraps every layer of a model in one of these; use it
-    directly only to build a placed model by hand.
+    `apply_placement` wraps every layer of a model in one of these (and
+    every bare operation, such as the `x + y` of a functional residual
+    connection, in a `PlacedOperation`); use it directly only to build a
+    placed model by hand.
 
     - The wrapped layer's variables (weights, BatchNormalization
       statistics, seed states) are created on `device`, also under
@@ -79,7 +83,7 @@ class PlacedLayer(keras.layers.Wrapper):
       warns and lets TensorFlow place the layer (soft placement).
 
     Args:
-        layer: `keras.layers.Layer`. The layer to place (a layer, a
+        layer: `keras.layers.Layer`. What to place (a layer, a
             `Sequential` block, a functional sub-model, a `RecomputeGrad`).
         device: str or `tf.config.LogicalDevice`, e.g. `"/gpu:1"`.
         **kwargs: base `Layer` arguments. `name` defaults to the wrapped
@@ -100,8 +104,8 @@ class PlacedLayer(keras.layers.Wrapper):
         check_flavour(layer, "layer")
         if not isinstance(layer, keras.layers.Layer):
             raise TypeError(
-                "Argument `layer` must be a Keras layer. Received: "
-                f"layer={layer!r} (of type {type(layer).__name__})"
+                "Argument `layer` must be a Keras layer. "
+                f"Received: layer={layer!r} (of type {type(layer).__name__})"
             )
         if isinstance(layer, PlacedLayer):
             raise ValueError(
@@ -113,10 +117,14 @@ class PlacedLayer(keras.layers.Wrapper):
         if "dtype" not in kwargs:
             policy = getattr(layer, "dtype_policy", None)
             kwargs["dtype"] = policy if policy is not None else layer.dtype
-        super().__init__(layer, **kwargs)
+        super().__init__(**kwargs)
+        self.layer = layer
         self.device = canonical_device(device, "device")
         self.supports_masking = bool(getattr(layer, "supports_masking", False))
         self.supports_jit = False
+        # Pass inputs to the wrapped layer as they come (it converts them).
+        self._convert_input_args = False
+        self._allow_non_tensor_positional_args = True
         self._layer_accepts_mask = _accepts(layer, "mask")
         self._layer_accepts_training = _accepts(layer, "training")
         self._warned_missing = False
@@ -127,8 +135,6 @@ class PlacedLayer(keras.layers.Wrapper):
             return variables_on(self.device)
         if not self._warned_missing:
             self._warned_missing = True
-            import warnings
-
             warnings.warn(
                 f"PlacedLayer {self.name!r} was placed on {self.device}, "
                 "which this process does not have; TensorFlow places it "
@@ -137,95 +143,70 @@ class PlacedLayer(keras.layers.Wrapper):
                 "model), devices=...).",
                 stacklevel=3,
             )
-        import contextlib
-
         return contextlib.nullcontext()
 
-    def build(self, input_shape: Any = None) -> None:
+    def build(self, *args: Any, **kwargs: Any) -> None:
+        """Build the wrapped layer on the device when given its input
+        shape(s); otherwise (Keras's automatic build) it builds itself on
+        its first call, which runs on the device (see
+        `compute_output_spec`). Keras hands a `*args` build no shapes, and
+        only the wrapped layer knows how to map several inputs (an
+        attention layer's query and value) to its own build."""
         check_strategy(f"building PlacedLayer {self.name!r}")
-        with self._scope():
-            if not self.layer.built:
-                self.layer.build(input_shape)
-                self.layer.built = True
+        layer = self.layer
+        if args or kwargs:
+            if not layer.built:
+                with self._scope():
+                    layer.build(*args, **kwargs)
+                    layer.built = True
         self.built = True
 
-    def compute_output_shape(self, input_shape: Any) -> Any:
-        return self.layer.compute_output_shape(input_shape)
-
-    def compute_output_spec(
-        self, inputs: Any, training=None, mask=None, **kwargs
-    ) -> Any:
-        # Keras builds functional models symbolically; ask the wrapped layer.
+    def _layer_kwargs(self, kwargs: dict, training=None, mask=None) -> dict:
+        kwargs = dict(kwargs)
         if training is not None and self._layer_accepts_training:
             kwargs["training"] = training
         if mask is not None and self._layer_accepts_mask:
             kwargs["mask"] = mask
-        return self.layer.compute_output_spec(inputs, **kwargs)
+        return kwargs
+
+    def compute_output_shape(self, *args: Any, **kwargs: Any) -> Any:
+        return self.layer.compute_output_shape(*args, **kwargs)
+
+    def compute_output_spec(
+        self, inputs, *args, training=None, mask=None, **kwargs
+    ):
+        kwargs = self._layer_kwargs(kwargs, training, mask)
+        layer = self.layer
+        if not layer.built:
+            # Keras builds functional models symbolically, eagerly: a
+            # symbolic call builds the wrapped layer from its own inputs,
+            # and its variables land on the device.
+            with self._scope():
+                outputs = layer(inputs, *args, **kwargs)
+            return keras.tree.map_structure(
+                lambda t: keras.KerasTensor(
+                    t.shape, dtype=t.dtype, sparse=getattr(t, "sparse", False)
+                ),
+                outputs,
+            )
+        return layer.compute_output_spec(inputs, *args, **kwargs)
 
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
         return self.layer.compute_mask(inputs, mask)
 
     def call(
-        self, inputs: Any, training: bool | None = None, mask=None, **kwargs
+        self, inputs: Any, *args: Any, training=None, mask=None, **kwargs: Any
     ) -> Any:
         check_strategy(f"calling PlacedLayer {self.name!r}")
-        layer_kwargs = dict(kwargs)
-        if training is not None and self._layer_accepts_training:
-            layer_kwargs["training"] = training
-        if mask is not None and self._layer_accepts_mask:
-            layer_kwargs["mask"] = mask
+        kwargs = self._layer_kwargs(kwargs, training, mask)
         with self._scope():
-            return self._call_with_placed_gradient(inputs, layer_kwargs)
-
-    def _call_with_placed_gradient(self, inputs: Any, layer_kwargs: dict):
-        structure = (inputs, layer_kwargs)
-        flat = tf.nest.flatten(structure)
-        diff_positions = [
-            i
-            for i, x in enumerate(flat)
-            if tf.is_tensor(x) and tf.as_dtype(x.dtype).is_floating
-        ]
-        layer, device = self.layer, self.device
-        out_info: dict = {}
-
-        def run_layer(diff_args):
-            values = list(flat)
-            for position, arg in zip(diff_positions, diff_args, strict=True):
-                values[position] = arg
-            args, kwargs = tf.nest.pack_sequence_as(structure, values)
-            return layer(args, **kwargs)
-
-        @tf.custom_gradient
-        def forward(*diff_args):
-            # Persistent: a caller may ask for these gradients twice.
-            with tf.GradientTape(persistent=True) as tape:
-                tape.watch(diff_args)
-                outputs = run_layer(diff_args)
-            flat_outputs = tf.nest.flatten(outputs)
-            out_info["structure"] = outputs
-            out_info["masks"] = [_get_keras_mask(t) for t in flat_outputs]
-
-            def grad_fn(*output_grads, variables=None):
-                variables = list(variables or [])
-                with tf.device(device):
-                    return _placed_gradients(
-                        tape, flat_outputs, output_grads, diff_args, variables
-                    )
-
-            return tuple(flat_outputs), grad_fn
-
-        flat_results = tf.nest.flatten(
-            forward(*[flat[i] for i in diff_positions])
-        )
-        for tensor, out_mask in zip(
-            flat_results, out_info["masks"], strict=True
-        ):
-            if out_mask is not None:
-                _set_keras_mask(tensor, out_mask)
-        return tf.nest.pack_sequence_as(out_info["structure"], flat_results)
+            return call_on_device(
+                self.layer, (inputs, *args), kwargs, self.device
+            )
 
     def get_config(self) -> dict:
         config = super().get_config()
+        config["layer"] = keras.saving.serialize_keras_object(self.layer)
         config["device"] = self.device
         return config
 
@@ -238,7 +219,7 @@ class PlacedLayer(keras.layers.Wrapper):
         scope = (
             variables_on(device)
             if device_exists(device)
-            else _null_scope()
+            else contextlib.nullcontext()
         )
         with scope:
             layer = keras.saving.deserialize_keras_object(
@@ -247,10 +228,110 @@ class PlacedLayer(keras.layers.Wrapper):
         return cls(layer, device, **config)
 
 
-def _null_scope():
-    import contextlib
+def call_on_device(layer: Any, args: tuple, kwargs: dict, device: str) -> Any:
+    """`layer(*args, **kwargs)` whose gradient is computed on `device`.
 
-    return contextlib.nullcontext()
+    A `tf.custom_gradient` over the floating tensors among the arguments
+    (and the variables the layer reads); its gradient function
+    differentiates a tape recorded during the forward pass, under
+    `tf.device(device)`. Masks the layer attached to its outputs are put
+    back on the returned tensors.
+    """
+    structure = (list(args), kwargs)
+    flat = tf.nest.flatten(structure)
+    diff_positions = [
+        i
+        for i, x in enumerate(flat)
+        if tf.is_tensor(x) and tf.as_dtype(x.dtype).is_floating
+    ]
+    out_info: dict = {}
+
+    def run_layer(diff_args):
+        values = list(flat)
+        for position, arg in zip(diff_positions, diff_args, strict=True):
+            values[position] = arg
+        call_args, call_kwargs = tf.nest.pack_sequence_as(structure, values)
+        return layer(*call_args, **call_kwargs)
+
+    @tf.custom_gradient
+    def forward(*diff_args):
+        # Persistent: a caller may ask for these gradients twice.
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(diff_args)
+            outputs = run_layer(diff_args)
+        flat_outputs = tf.nest.flatten(outputs)
+        out_info["structure"] = outputs
+        out_info["masks"] = [_get_keras_mask(t) for t in flat_outputs]
+
+        def grad_fn(*output_grads, variables=None):
+            with tf.device(device):
+                return _placed_gradients(
+                    tape,
+                    flat_outputs,
+                    output_grads,
+                    diff_args,
+                    list(variables or []),
+                )
+
+        return tuple(flat_outputs), grad_fn
+
+    flat_results = tf.nest.flatten(forward(*[flat[i] for i in diff_positions]))
+    for tensor, out_mask in zip(flat_results, out_info["masks"], strict=True):
+        if out_mask is not None:
+            _set_keras_mask(tensor, out_mask)
+    return tf.nest.pack_sequence_as(out_info["structure"], flat_results)
+
+
+@register_serializable
+class PlacedOperation(keras.Operation):
+    """A bare operation of a functional graph (`x + y`, `ops.concatenate`
+    on symbolic tensors) run on one device, its gradient too.
+
+    The operation counterpart of `PlacedLayer` (operations take
+    non-tensor arguments, such as the 0 of `ops.not_equal(ids, 0)`, which
+    a layer's call cannot mix with tensors). `apply_placement` puts each
+    on the device of the layer before it in graph order.
+
+    Args:
+        operation: `keras.Operation`.
+        device: str, e.g. `"/gpu:1"`.
+        name: defaults to the operation's name.
+    """
+
+    def __init__(self, operation: Any, device: Any, name: str | None = None) -> None:
+        if not isinstance(operation, keras.Operation):
+            raise TypeError(
+                "Argument `operation` must be a Keras operation. Received: "
+                f"operation={operation!r} (of type {type(operation).__name__})"
+            )
+        super().__init__(name=name or operation.name)
+        self.operation = operation
+        self.device = canonical_device(device, "device")
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        check_strategy(f"calling PlacedOperation {self.name!r}")
+        if not device_exists(self.device):
+            return self.operation(*args, **kwargs)
+        with tf.device(self.device):
+            return call_on_device(self.operation, args, kwargs, self.device)
+
+    def compute_output_spec(self, *args: Any, **kwargs: Any) -> Any:
+        return self.operation.compute_output_spec(*args, **kwargs)
+
+    def get_config(self) -> dict:
+        return {
+            "name": self.name,
+            "operation": keras.saving.serialize_keras_object(self.operation),
+            "device": self.device,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects=None) -> PlacedOperation:
+        config = dict(config)
+        operation = keras.saving.deserialize_keras_object(
+            config.pop("operation"), custom_objects=custom_objects
+        )
+        return cls(operation, **config)
 
 
 def _placed_gradients(tape, flat_outputs, output_grads, diff_args, variables):
