@@ -104,7 +104,7 @@ def colocate_unplaced_ops() -> Iterator[None]:
         yield
 
 
-def _optimizer_chain(optimizer: Any) -> list:
+def optimizer_chain(optimizer: Any) -> list:
     """The optimizer and those it wraps (`inner_optimizer`, as Keras's
     `LossScaleOptimizer` and `GradientAccumulationOptimizer` name it)."""
     chain: list = []
@@ -132,7 +132,7 @@ def gradients_stay_on_their_devices(optimizer: Any) -> Iterator[None]:
     the gradients are passed through as they are.
     """
     patched = [
-        o for o in _optimizer_chain(optimizer)
+        o for o in optimizer_chain(optimizer)
         if hasattr(o, "_all_reduce_sum_gradients")
         and "_all_reduce_sum_gradients" not in vars(o)
     ]

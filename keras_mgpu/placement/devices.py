@@ -109,14 +109,15 @@ def device_exists(device: str) -> bool:
     return device in available_devices()
 
 
-def check_strategy(what: str) -> None:
-    """Raise if the strategy in scope (or in whose replica context this
-    runs) replicates the model, naming `what` was being done
+def check_strategy(what: str, strategy: Any = None) -> None:
+    """Raise if `strategy` (default: the one in scope, or in whose replica
+    context this runs) replicates the model, naming `what` was being done
     ("apply_placement", "calling the placed model", ...)."""
-    if not tf.distribute.has_strategy():
-        return  # the default strategy
-    strategy = tf.distribute.get_strategy()
-    if isinstance(strategy, tf.distribute.OneDeviceStrategy):
+    if strategy is None:
+        strategy = tf.distribute.get_strategy()
+    # TensorFlow's default strategy has no public class.
+    default = type(strategy).__name__.startswith("_DefaultDistributionStrategy")
+    if default or isinstance(strategy, tf.distribute.OneDeviceStrategy):
         return
     replicas = getattr(strategy, "num_replicas_in_sync", "?")
     raise ValueError(

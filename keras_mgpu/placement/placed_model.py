@@ -7,6 +7,7 @@ from typing import Any
 from keras_mgpu._flavour import keras, register_serializable, tf
 from keras_mgpu.placement.colocation import (
     colocate_unplaced_ops,
+    optimizer_chain,
     gradients_stay_on_their_devices,
 )
 from keras_mgpu.placement.devices import check_strategy
@@ -62,7 +63,15 @@ class PlacedModel(keras.Model):
             optimizer.build(self.trainable_variables)
 
     def train_step(self, data: Any) -> Any:
-        check_strategy("training the placed model")
+        check_strategy("training the placed model", self.distribute_strategy)
+        for optimizer in optimizer_chain(self.optimizer):
+            # Keras 3.15 TF optimizers keep the strategy in scope when they
+            # were made (private `_distribution_strategy`); one made under
+            # MirroredStrategy fails in `apply` with a bare AssertionError.
+            check_strategy(
+                "its optimizer was created under a replicating strategy",
+                getattr(optimizer, "_distribution_strategy", None),
+            )
         self._build_optimizer_next_to_variables()
         with colocate_unplaced_ops(), gradients_stay_on_their_devices(
             self.optimizer
