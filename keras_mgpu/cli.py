@@ -2,7 +2,8 @@
 
 - `keras-mgpu demo` trains a small CNN on scikit-learn's digits under
   `MirroredStrategy` (the GPUs present, or logical CPU devices) with every
-  keras_mgpu component on, prints a summary table and writes a PNG report.
+  keras_mgpu component on, prints a summary table and writes a PNG report;
+  `--model-parallel` splits the CNN across the devices instead.
 - `keras-mgpu info` prints versions, devices, GPUs (through NVML) and which
   strategies work here.
 - `keras-mgpu report RUN.csv` draws the PNG report from a `CSVLogger` file.
@@ -149,6 +150,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="E",
         help="length of the learning-rate warmup in epochs (default 2)",
+    )
+    demo.add_argument(
+        "--model-parallel",
+        action="store_true",
+        help=(
+            "split the CNN across the devices, one stage each "
+            "(keras_mgpu.apply_placement), instead of mirroring it; "
+            "needs 2 or more devices"
+        ),
+    )
+    demo.add_argument(
+        "--micro-batches",
+        type=_int_type(1, 1024),
+        default=None,
+        metavar="M",
+        help="with --model-parallel: pipeline each batch as M micro-batches",
     )
     demo.add_argument("--seed", type=_int_type(0), default=0, help="default 0")
     demo.add_argument(
@@ -297,6 +314,15 @@ def _check_demo_args(parser: argparse.ArgumentParser, args) -> None:
         )
     if not args.warmup and args.warmup_epochs is not None:
         demo_parser.error("--warmup-epochs cannot be combined with --no-warmup")
+    if args.micro_batches is not None and not args.model_parallel:
+        demo_parser.error("--micro-batches needs --model-parallel")
+    if args.model_parallel and args.devices == 1:
+        demo_parser.error("--model-parallel needs 2 or more devices")
+    if args.micro_batches is not None and args.micro_batches > args.batch_size:
+        demo_parser.error(
+            f"--micro-batches {args.micro_batches} is larger than --batch-size "
+            f"{args.batch_size}: each micro-batch needs an example"
+        )
     if args.output is not None and os.path.isfile(args.output):
         demo_parser.error(f"--output {args.output!r} is a file; give a folder")
 
@@ -386,15 +412,24 @@ def _train_demo(args, output: str) -> tuple:
         monitors=args.monitors,
         recompute=args.recompute,
         seed=args.seed,
+        model_parallel=args.model_parallel,
+        micro_batches=args.micro_batches or 1,
     )
+    if args.model_parallel and len(devices["devices"]) < 2:
+        raise CommandError(
+            "--model-parallel needs 2 or more devices; this machine gives "
+            f"{len(devices['devices'])}. Use --cpu --devices 2 to split the "
+            "CPU into logical devices."
+        )
     where = (
         f"{len(devices['devices'])} GPU(s)"
         if devices["kind"] == "GPU"
         else f"{len(devices['devices'])} logical CPU devices (no GPU used)"
     )
+    how = "split across" if args.model_parallel else "MirroredStrategy on"
     print(
         "keras-mgpu demo: a small CNN on scikit-learn's 8x8 digits "
-        f"(1437 train / 360 test images), MirroredStrategy on {where}.",
+        f"(1437 train / 360 test images), {how} {where}.",
         flush=True,
     )
     try:

@@ -1,5 +1,6 @@
 """The `keras-mgpu demo` training recipe: a small CNN on scikit-learn's 8x8
-digits under `MirroredStrategy`, with every keras_mgpu component on.
+digits under `MirroredStrategy` (or, with `model_parallel`, split across
+the devices by `apply_placement`), with every keras_mgpu component on.
 
 Kept apart from the command line (`keras_mgpu.cli`) so that the recipe reads
 as one example of using the pack: gradient accumulation
@@ -50,6 +51,10 @@ class DemoConfig:
     recompute: bool = True
     seed: int = 0
     progress: bool = True
+    # Split the model across the devices (apply_placement) instead of
+    # mirroring it; micro_batches > 1 pipelines it.
+    model_parallel: bool = False
+    micro_batches: int = 1
 
 
 def configure_devices(
@@ -365,6 +370,11 @@ def _compiled_model(config: DemoConfig, strategy: Any) -> tuple[Any, int]:
     steps = config.accumulation_steps if config.accumulation else 1
     with strategy.scope():
         model = build_model(recompute=config.recompute)
+        if config.model_parallel:
+            from keras_mgpu.placement import apply_placement
+
+            # The devices configure_devices left visible, one stage each.
+            model = apply_placement(model, micro_batches=config.micro_batches)
         optimizer = keras.optimizers.Adam(BASE_LEARNING_RATE)
         if config.accumulation:
             optimizer = GradientAccumulationOptimizer(optimizer, steps)
@@ -488,6 +498,17 @@ def _summary(
     }
 
 
+def _placement_summary(config: DemoConfig, model: Any) -> dict:
+    """Where the model-parallel demo put its stages (placement_report)."""
+    from keras_mgpu.placement import placement_report
+
+    return {
+        "model_parallel": True,
+        "micro_batches": config.micro_batches,
+        "placement": placement_report(model, print_fn=None),
+    }
+
+
 def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
     """Train the demo model and write its CSV log, PNG report and summary.
 
@@ -502,7 +523,11 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
     keras.utils.set_random_seed(config.seed)
     data = load_digits_split(config.seed)
 
-    strategy = tf.distribute.MirroredStrategy(devices=device_info["devices"])
+    strategy = (
+        tf.distribute.get_strategy()  # one replica spanning the devices
+        if config.model_parallel
+        else tf.distribute.MirroredStrategy(devices=device_info["devices"])
+    )
     replicas = strategy.num_replicas_in_sync
     train, test, steps_per_epoch = _datasets(config, replicas, data)
     model, examples_per_update = _compiled_model(config, strategy)
@@ -526,6 +551,8 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
         "notes": notes,
     }
     summary = _summary(config, device_info, run, paths)
+    if config.model_parallel:
+        summary.update(_placement_summary(config, model))
     plot_training_report(
         paths.csv, paths.png, steps=paths.steps, title=_report_title(summary)
     )
@@ -536,15 +563,52 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
 
 
 def _report_title(summary: dict) -> str:
+    if summary.get("model_parallel"):
+        where = (
+            f"{len(summary['placement'])} x {summary['device_kind']} "
+            "(model parallel)"
+        )
+    else:
+        where = (
+            f"{summary['replicas']} x {summary['device_kind']} "
+            "(MirroredStrategy)"
+        )
     parts = [
-        f"keras-mgpu demo: digits CNN, {summary['replicas']} x "
-        f"{summary['device_kind']} (MirroredStrategy)",
+        f"keras-mgpu demo: digits CNN, {where}",
         f"global batch {summary['global_batch_size']} = "
         f"{summary['per_replica_batch_size']} x {summary['replicas']} x "
         f"{summary['accumulation_steps']} accumulation",
         f"final accuracy {summary['final_accuracy']:.3f}",
     ]
     return "  |  ".join(parts)
+
+
+def _model_parallel_devices(summary: dict) -> str:
+    stages = len(summary["placement"])
+    kind = "GPU" if summary["device_kind"] == "GPU" else "logical CPU device"
+    pipelining = (
+        f", {summary['micro_batches']} micro-batches per step"
+        if summary["micro_batches"] > 1
+        else ""
+    )
+    return f"model split into {stages} stages on {stages} x {kind}{pipelining}"
+
+
+def _placement_rows(summary: dict) -> list:
+    """One row per stage: device, layers, parameters (model parallel)."""
+    rows = []
+    for index, stage in enumerate(summary.get("placement") or []):
+        if stage["stage"] is None:
+            continue  # optimizer counters only
+        device = stage["device"].replace("/device:", "")
+        rows.append(
+            (
+                "placement" if index == 0 else "",
+                f"{device}: {', '.join(stage['layers'])} "
+                f"({stage['params']:,} params)",
+            )
+        )
+    return rows
 
 
 def format_summary(summary: dict, total_seconds: float | None = None) -> str:
@@ -586,8 +650,12 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
         f"{summary['final_accuracy']:.4f} on {summary['test_images']} "
         f"held-out digits (train {summary['final_train_accuracy']:.4f})"
     )
+    if summary.get("model_parallel"):
+        devices = _model_parallel_devices(summary)
+    else:
+        devices += " under MirroredStrategy"
     rows = [
-        ("devices", devices + " under MirroredStrategy"),
+        ("devices", devices),
         ("global batch", batch),
         ("accumulation", accumulation),
         ("scaled learning rate", lr),
@@ -596,6 +664,7 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
         ("updates", f"{summary['updates']} in {summary['epochs']} epochs"),
         ("final accuracy", accuracy),
     ]
+    rows += _placement_rows(summary)
     if summary["peak_memory"]:
         for index, row in enumerate(summary["peak_memory"]):
             peak = row["peak_mb"]

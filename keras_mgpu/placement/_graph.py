@@ -187,7 +187,5 @@ def cut_costs(model: Any, placeable: list) -> list[int]:
     sizes = [output_bytes(layer) for layer in placeable]
     costs = [0] * len(placeable)
     for j in range(1, len(placeable)):
-        costs[j] = sum(
-            sizes[p] for p in range(j) if last_use[p] >= j
-        )
+        costs[j] = sum(sizes[p] for p in range(j) if last_use[p] >= j)
     return costs

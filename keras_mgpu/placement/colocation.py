@@ -132,7 +132,8 @@ def gradients_stay_on_their_devices(optimizer: Any) -> Iterator[None]:
     the gradients are passed through as they are.
     """
     patched = [
-        o for o in optimizer_chain(optimizer)
+        o
+        for o in optimizer_chain(optimizer)
         if hasattr(o, "_all_reduce_sum_gradients")
         and "_all_reduce_sum_gradients" not in vars(o)
     ]

@@ -14,7 +14,9 @@ from typing import Any
 
 from keras_mgpu._flavour import tf
 
-ALLOWED_STRATEGIES = "the default strategy (no `strategy.scope()`) or OneDeviceStrategy"
+ALLOWED_STRATEGIES = (
+    "the default strategy (no `strategy.scope()`) or OneDeviceStrategy"
+)
 
 
 def canonical_device(device: Any, argument: str = "devices") -> str:
@@ -61,13 +63,19 @@ def available_devices() -> list[str]:
 
 def default_devices() -> list[str]:
     """Every logical GPU; without GPUs, every logical CPU device."""
-    gpus = [canonical_device(d.name) for d in tf.config.list_logical_devices("GPU")]
+    gpus = [
+        canonical_device(d.name) for d in tf.config.list_logical_devices("GPU")
+    ]
     if gpus:
         return gpus
-    return [canonical_device(d.name) for d in tf.config.list_logical_devices("CPU")]
+    return [
+        canonical_device(d.name) for d in tf.config.list_logical_devices("CPU")
+    ]
 
 
-def resolve_devices(devices: Sequence[Any] | None, argument: str = "devices") -> list[str]:
+def resolve_devices(
+    devices: Sequence[Any] | None, argument: str = "devices"
+) -> list[str]:
     """Check `devices` against the logical devices of this process.
 
     Returns canonical names in the order given. Raises a `ValueError`

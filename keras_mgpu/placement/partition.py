@@ -24,7 +24,9 @@ from keras_mgpu.placement.devices import canonical_device, resolve_devices
 POLICIES = ("balanced",)
 
 
-def balanced_cuts(weights: Sequence[int], parts: int, costs: Sequence[int]) -> list[int]:
+def balanced_cuts(
+    weights: Sequence[int], parts: int, costs: Sequence[int]
+) -> list[int]:
     """Start index of each of `parts` contiguous, non-empty stages.
 
     Minimises the largest stage sum of `weights`; among those partitions,
@@ -32,7 +34,9 @@ def balanced_cuts(weights: Sequence[int], parts: int, costs: Sequence[int]) -> l
     programmes over prefix sums, O(parts · n²) in numpy).
     """
     n = len(weights)
-    prefix = np.concatenate([[0], np.cumsum(np.asarray(weights, dtype=np.float64))])
+    prefix = np.concatenate(
+        [[0], np.cumsum(np.asarray(weights, dtype=np.float64))]
+    )
     inf = float("inf")
     # best[k][i]: smallest largest-stage sum for the first i layers in k
     # stages.
@@ -41,7 +45,9 @@ def balanced_cuts(weights: Sequence[int], parts: int, costs: Sequence[int]) -> l
     for k in range(2, parts + 1):
         for i in range(k, n + 1):
             j = np.arange(k - 1, i)
-            best[k, i] = np.min(np.maximum(best[k - 1, j], prefix[i] - prefix[j]))
+            best[k, i] = np.min(
+                np.maximum(best[k - 1, j], prefix[i] - prefix[j])
+            )
     limit = best[parts, n]
     # cost[k][i]: least cut cost for the first i layers in k stages, none
     # heavier than `limit`.
@@ -53,7 +59,9 @@ def balanced_cuts(weights: Sequence[int], parts: int, costs: Sequence[int]) -> l
         for i in range(k, n + 1):
             j = np.arange(k - 1, i)
             candidates = np.where(
-                prefix[i] - prefix[j] <= limit, cost[k - 1, j] + cut_cost[j], inf
+                prefix[i] - prefix[j] <= limit,
+                cost[k - 1, j] + cut_cost[j],
+                inf,
             )
             pick = int(np.argmin(candidates))
             cost[k, i] = candidates[pick]
@@ -65,7 +73,9 @@ def balanced_cuts(weights: Sequence[int], parts: int, costs: Sequence[int]) -> l
     return [0, *reversed(starts)]
 
 
-def _devices_from_cuts(starts: list[int], devices: list[str], n: int) -> list[str]:
+def _devices_from_cuts(
+    starts: list[int], devices: list[str], n: int
+) -> list[str]:
     result = []
     for stage, start in enumerate(starts):
         end = starts[stage + 1] if stage + 1 < len(starts) else n
@@ -73,7 +83,9 @@ def _devices_from_cuts(starts: list[int], devices: list[str], n: int) -> list[st
     return result
 
 
-def _check_enough_layers(placeable: list, devices: list[str], model: Any) -> None:
+def _check_enough_layers(
+    placeable: list, devices: list[str], model: Any
+) -> None:
     if len(devices) > len(placeable):
         raise ValueError(
             f"Argument `devices` asks for {len(devices)} stages, but model "
@@ -84,7 +96,9 @@ def _check_enough_layers(placeable: list, devices: list[str], model: Any) -> Non
         )
 
 
-def _cut_points(policy: Sequence, placeable: list, devices: list[str]) -> list[int]:
+def _cut_points(
+    policy: Sequence, placeable: list, devices: list[str]
+) -> list[int]:
     names = [layer.name for layer in placeable]
     if len(policy) != len(devices) - 1:
         raise ValueError(
@@ -102,7 +116,9 @@ def _cut_points(policy: Sequence, placeable: list, devices: list[str]) -> list[i
                     f"Received: policy={list(policy)!r}"
                 )
             index = names.index(point)
-        elif isinstance(point, (int, np.integer)) and not isinstance(point, bool):
+        elif isinstance(point, (int, np.integer)) and not isinstance(
+            point, bool
+        ):
             index = int(point)
         else:
             raise TypeError(
@@ -130,7 +146,9 @@ def _mapped_device(layer: Any, mapping: dict) -> str | None:
     return None
 
 
-def _check_mapping(policy: Mapping, placeable: list, devices: list[str] | None) -> dict:
+def _check_mapping(
+    policy: Mapping, placeable: list, devices: list[str] | None
+) -> dict:
     mapping = {}
     names = [layer.name for layer in placeable]
     for key, device in policy.items():
@@ -140,8 +158,10 @@ def _check_mapping(policy: Mapping, placeable: list, devices: list[str] | None) 
                 "Argument `policy` as a mapping must have layer names or "
                 f"Keras layer classes as keys. Received: policy key {key!r}"
             )
-        matched = key in names if isinstance(key, str) else any(
-            isinstance(layer, key) for layer in placeable
+        matched = (
+            key in names
+            if isinstance(key, str)
+            else any(isinstance(layer, key) for layer in placeable)
         )
         if not matched:
             what = "layer" if isinstance(key, str) else "layer of class"

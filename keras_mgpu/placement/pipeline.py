@@ -23,7 +23,9 @@ from keras_mgpu.placement.devices import canonical_device, device_exists
 def _on(device: str):
     import contextlib
 
-    return tf.device(device) if device_exists(device) else contextlib.nullcontext()
+    return (
+        tf.device(device) if device_exists(device) else contextlib.nullcontext()
+    )
 
 
 def micro_batch_sizes(batch: Any, micro_batches: int) -> Any:
@@ -51,7 +53,9 @@ class MicroBatchSplit(keras.layers.Layer):
 
     def __init__(self, micro_batches: int, device: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.micro_batches = check_int(micro_batches, "micro_batches", minimum=2)
+        self.micro_batches = check_int(
+            micro_batches, "micro_batches", minimum=2
+        )
         self.device = canonical_device(device, "device")
         self.supports_jit = False
 
@@ -123,7 +127,9 @@ class MicroBatchConcat(keras.layers.Layer):
         return config
 
 
-def pipelined(stages: Any, micro_batches: int, first: str, last: dict, name: str):
+def pipelined(
+    stages: Any, micro_batches: int, first: str, last: dict, name: str
+):
     """(inputs, outputs) of a graph that runs the functional model `stages`
     once per micro-batch.
 

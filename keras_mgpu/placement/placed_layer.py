@@ -45,9 +45,10 @@ def _accepts(layer: Any, argument: str) -> bool:
 
 
 def _differentiable(variable: Any) -> bool:
-    return bool(getattr(variable, "trainable", True)) and tf.as_dtype(
-        variable.dtype
-    ).is_floating
+    return (
+        bool(getattr(variable, "trainable", True))
+        and tf.as_dtype(variable.dtype).is_floating
+    )
 
 
 @register_serializable
@@ -93,10 +94,12 @@ class PlacedLayer(keras.layers.Layer):
     Example:
 
     ```python
+    from keras_mgpu.placement import PlacedLayer, PlacedModel
+
     inputs = keras.Input((16,))
-    x = keras_mgpu.placement.PlacedLayer(keras.layers.Dense(64), "/cpu:0")(inputs)
-    outputs = keras_mgpu.placement.PlacedLayer(keras.layers.Dense(1), "/cpu:1")(x)
-    model = keras_mgpu.placement.PlacedModel(inputs, outputs)
+    x = PlacedLayer(keras.layers.Dense(64), "/cpu:0")(inputs)
+    outputs = PlacedLayer(keras.layers.Dense(1), "/cpu:1")(x)
+    model = PlacedModel(inputs, outputs)
     ```
     """
 
@@ -298,7 +301,9 @@ class PlacedOperation(keras.Operation):
         name: defaults to the operation's name.
     """
 
-    def __init__(self, operation: Any, device: Any, name: str | None = None) -> None:
+    def __init__(
+        self, operation: Any, device: Any, name: str | None = None
+    ) -> None:
         if not isinstance(operation, keras.Operation):
             raise TypeError(
                 "Argument `operation` must be a Keras operation. Received: "
@@ -359,7 +364,6 @@ def _placed_gradients(tape, flat_outputs, output_grads, diff_args, variables):
         grads = [tf.zeros_like(s) for s in sources]
     input_grads = list(grads[: len(diff_args)])
     by_ref = {
-        v.ref(): g
-        for v, g in zip(wanted, grads[len(diff_args) :], strict=True)
+        v.ref(): g for v, g in zip(wanted, grads[len(diff_args) :], strict=True)
     }
     return input_grads, [by_ref.get(v.ref()) for v in variables]

@@ -7,8 +7,8 @@ from typing import Any
 from keras_mgpu._flavour import keras, register_serializable, tf
 from keras_mgpu.placement.colocation import (
     colocate_unplaced_ops,
-    optimizer_chain,
     gradients_stay_on_their_devices,
+    optimizer_chain,
 )
 from keras_mgpu.placement.devices import check_strategy
 
@@ -42,7 +42,9 @@ class PlacedModel(keras.Model):
     ```
     """
 
-    def __init__(self, inputs: Any, outputs: Any, name: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, inputs: Any, outputs: Any, name: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(inputs=inputs, outputs=outputs, name=name, **kwargs)
 
     def _build_optimizer_next_to_variables(self) -> None:
@@ -73,7 +75,8 @@ class PlacedModel(keras.Model):
                 getattr(optimizer, "_distribution_strategy", None),
             )
         self._build_optimizer_next_to_variables()
-        with colocate_unplaced_ops(), gradients_stay_on_their_devices(
-            self.optimizer
+        with (
+            colocate_unplaced_ops(),
+            gradients_stay_on_their_devices(self.optimizer),
         ):
             return super().train_step(data)

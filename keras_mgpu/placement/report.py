@@ -33,7 +33,9 @@ def _layer_devices(model: Any) -> list[tuple[str, str]]:
     for layer in model.layers:
         if isinstance(layer, PlacedLayer):
             found.append((layer.name, layer.device))
-        elif isinstance(layer, keras.Model) and not _graph.is_input_layer(layer):
+        elif isinstance(layer, keras.Model) and not _graph.is_input_layer(
+            layer
+        ):
             inner = _layer_devices(layer)
             if inner:
                 found.extend(inner)
@@ -55,7 +57,11 @@ def _peak_bytes(device: str) -> int | None:
     if ":GPU:" not in device:
         return None
     try:
-        return int(tf.config.experimental.get_memory_info(device.lstrip("/").replace("device:", ""))["peak"])
+        return int(
+            tf.config.experimental.get_memory_info(
+                device.lstrip("/").replace("device:", "")
+            )["peak"]
+        )
     except (ValueError, RuntimeError):
         return None
 
@@ -89,8 +95,12 @@ def _rows(model: Any) -> list[dict]:
     def row_for(device: str) -> dict:
         if device not in rows:
             rows[device] = {
-                "device": device, "stage": None, "layers": [], "params": 0,
-                "param_bytes": 0, "optimizer_bytes": 0,
+                "device": device,
+                "stage": None,
+                "layers": [],
+                "params": 0,
+                "param_bytes": 0,
+                "optimizer_bytes": 0,
                 "peak_bytes": _peak_bytes(device),
             }
         return rows[device]
@@ -102,7 +112,9 @@ def _rows(model: Any) -> list[dict]:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and optimizer.built:
         for variable in optimizer.variables:
-            row_for(_variable_device(variable))["optimizer_bytes"] += _nbytes(variable)
+            row_for(_variable_device(variable))["optimizer_bytes"] += _nbytes(
+                variable
+            )
     else:
         for row in rows.values():
             row["optimizer_bytes"] = None
@@ -129,8 +141,12 @@ def format_placement(model: Any, rows: list[dict]) -> str:
     stages = sum(1 for r in rows if r["stage"] is not None)
     header = f"Placement of model {model.name!r}: {stages} stage(s)"
     micro = micro_batches_of(model)
-    header += f", {micro} micro-batches per step" if micro > 1 else ", no pipelining"
-    table = [("stage", "device", "layers", "params", "weights", "optimizer", "peak")]
+    header += (
+        f", {micro} micro-batches per step" if micro > 1 else ", no pipelining"
+    )
+    table = [
+        ("stage", "device", "layers", "params", "weights", "optimizer", "peak")
+    ]
     for row in rows:
         table.append(
             (
@@ -146,18 +162,26 @@ def format_placement(model: Any, rows: list[dict]) -> str:
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     lines = [header]
     for r in table:
-        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        lines.append(
+            "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+        )
     if any(":CPU:" in r["device"] for r in rows):
         host = _host_peak_bytes()
         lines.append(
             "  peak: TensorFlow keeps one allocator for all logical CPU "
             "devices; process-wide peak "
-            + (_size(host) if host is not None else "not available (needs oneDNN)")
+            + (
+                _size(host)
+                if host is not None
+                else "not available (needs oneDNN)"
+            )
         )
     return "\n".join(lines)
 
 
-def placement_report(model: Any, print_fn: Callable[[str], Any] | None = print) -> list[dict]:
+def placement_report(
+    model: Any, print_fn: Callable[[str], Any] | None = print
+) -> list[dict]:
     """Per device: the layers placed there, their parameters, the optimizer
     state held there and the peak memory; printed as a table, returned as
     data.

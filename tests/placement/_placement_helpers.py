@@ -47,7 +47,9 @@ def data(samples: int = 24, features: int = FEATURES, outputs: int = 3, seed=0):
     return x, y
 
 
-def staged_mlp(stages: int, dropout: float = 0.0, outputs: int = 3):
+def staged_mlp(
+    stages: int, dropout: float = 0.0, outputs: int = 3, name="staged_mlp"
+):
     """A Dense stack whose layers are named after the stage they belong
     to when cut with `stage_cuts(stages)`: `s<k>_...`."""
     keras.utils.set_random_seed(11)
@@ -57,17 +59,21 @@ def staged_mlp(stages: int, dropout: float = 0.0, outputs: int = 3):
             keras.layers.Dense(16 + 4 * k, activation="tanh", name=f"s{k}_a")
         )
         if dropout:
-            layers.append(keras.layers.Dropout(dropout, seed=5 + k, name=f"s{k}_drop"))
+            layers.append(
+                keras.layers.Dropout(dropout, seed=5 + k, name=f"s{k}_drop")
+            )
         layers.append(
             keras.layers.Dense(12 + 2 * k, activation="relu", name=f"s{k}_b")
         )
     layers.append(keras.layers.Dense(outputs, name=f"s{stages - 1}_out"))
-    return keras.Sequential(layers, name="staged_mlp")
+    return keras.Sequential(layers, name=name)
 
 
 def stage_cuts(model) -> list[str]:
     """Cut points (layer names) that start each stage at `s<k>_a`."""
-    return [layer.name for layer in model.layers if layer.name.endswith("_a")][1:]
+    return [layer.name for layer in model.layers if layer.name.endswith("_a")][
+        1:
+    ]
 
 
 def loss_and_grads(model, x, y, training: bool = True):
@@ -91,12 +97,15 @@ def placed_nodes(run) -> list:
 
     The functions must be traced inside `run` (a fresh `tf.function`, or
     the first `fit` of a freshly compiled model): TensorFlow reports the
-    partition graphs when it instantiates a function.
+    partition graphs when it instantiates a function. Functions of other
+    models may show up too (instantiated late): give the model a name of
+    its own and look only at its nodes.
     """
     from tensorflow.python.eager import context
 
     ctx = context.context()
     ctx.enable_run_metadata()
+    ctx.export_run_metadata()  # drop anything collected before
     try:
         run()
     finally:

@@ -13,8 +13,8 @@ from _placement_helpers import (
     data,
     device_of,
     loss_and_grads,
-    staged_mlp,
     stage_cuts,
+    staged_mlp,
 )
 
 from keras_mgpu import _flavour
@@ -82,7 +82,12 @@ def test_recompute_grad_stages_equal_the_plain_model():
     recompute, no placement), dropout included."""
     keras.utils.set_random_seed(4)
     plain = keras.Sequential(
-        [keras.Input((FEATURES,)), _block("s0_block", 1), _block("s1_block", 2), keras.layers.Dense(3, name="s1_out")]
+        [
+            keras.Input((FEATURES,)),
+            _block("s0_block", 1),
+            _block("s1_block", 2),
+            keras.layers.Dense(3, name="s1_out"),
+        ]
     )
     remat = apply_recompute(plain, layers=["s0_block", "s1_block"])
     placed = apply_placement(remat, CPUS[2:4], policy=["recompute_s1_block"])
@@ -114,7 +119,9 @@ def _branching_model():
     g = keras.layers.Dense(6, activation="relu", name="g")(b)
     z = keras.layers.Concatenate(name="cat")([h, g])
     out1 = keras.layers.Dense(2, name="head_1")(z)
-    out2 = keras.layers.Dense(1, name="head_2")(keras.layers.Dense(5, name="pre_2")(z))
+    out2 = keras.layers.Dense(1, name="head_2")(
+        keras.layers.Dense(5, name="pre_2")(z)
+    )
     return keras.Model({"a": a, "b": b}, [out1, out2], name="branching")
 
 
@@ -167,9 +174,13 @@ def test_mapping_and_cut_point_policies():
     )
     by_cut = apply_placement(model, CPUS[1:4], policy=[2, "s2_a"])
     for placed in (by_name, by_cut):
-        assert [layer.device[-1] for layer in _placed_layers(placed)] == list("1122333")
+        assert [layer.device[-1] for layer in _placed_layers(placed)] == list(
+            "1122333"
+        )
     by_class = apply_placement(model, policy={keras.layers.Dense: "/cpu:2"})
-    assert {layer.device for layer in _placed_layers(by_class)} == {"/device:CPU:2"}
+    assert {layer.device for layer in _placed_layers(by_class)} == {
+        "/device:CPU:2"
+    }
 
 
 def test_default_devices_are_the_logical_cpus_here():
@@ -192,35 +203,117 @@ class _Subclassed(keras.Model):
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(devices=["/cpu:9"]), ValueError, r"names devices that this process does not have: \['/cpu:9'\]"),
-        (dict(devices=["/cpu:0", "cpu:0"]), ValueError, "names a device more than once"),
+        (
+            dict(devices=["/cpu:9"]),
+            ValueError,
+            r"names devices that this process does not have: \['/cpu:9'\]",
+        ),
+        (
+            dict(devices=["/cpu:0", "cpu:0"]),
+            ValueError,
+            "names a device more than once",
+        ),
         (dict(devices=[]), ValueError, "must name at least one device"),
-        (dict(devices="/cpu:0"), TypeError, "must be None or a list of device names"),
-        (dict(devices=["gpu"]), ValueError, "must name one device, with its type and index"),
-        (dict(devices=CPUS, policy="balanced", micro_batches=None, model="tiny"), ValueError, r"asks for 4 stages, but model 'tiny' has only 3 layers"),
-        (dict(policy={"nope": "/cpu:0"}), ValueError, "maps layer 'nope' to a device, but no layer of the model matches it"),
-        (dict(policy={keras.layers.Conv2D: "/cpu:0"}), ValueError, "maps layer of class 'Conv2D' to a device, but no layer"),
-        (dict(policy={"s0_a": "/cpu:7"}), ValueError, "`policy` names devices that this process does not have"),
-        (dict(devices=CPUS[:2], policy={"s0_a": "/cpu:3"}), ValueError, r"maps 's0_a' to /device:CPU:3, which is not one of argument `devices`"),
+        (
+            dict(devices="/cpu:0"),
+            TypeError,
+            "must be None or a list of device names",
+        ),
+        (
+            dict(devices=["gpu"]),
+            ValueError,
+            "must name one device, with its type and index",
+        ),
+        (
+            dict(
+                devices=CPUS,
+                policy="balanced",
+                micro_batches=None,
+                model="tiny",
+            ),
+            ValueError,
+            r"asks for 4 stages, but model 'tiny' has only 3 layers",
+        ),
+        (
+            dict(policy={"nope": "/cpu:0"}),
+            ValueError,
+            "maps layer 'nope' to a device, but no layer of the model "
+            "matches it",
+        ),
+        (
+            dict(policy={keras.layers.Conv2D: "/cpu:0"}),
+            ValueError,
+            "maps layer of class 'Conv2D' to a device, but no layer",
+        ),
+        (
+            dict(policy={"s0_a": "/cpu:7"}),
+            ValueError,
+            "`policy` names devices that this process does not have",
+        ),
+        (
+            dict(devices=CPUS[:2], policy={"s0_a": "/cpu:3"}),
+            ValueError,
+            r"maps 's0_a' to /device:CPU:3, which is not one of argument "
+            r"`devices`",
+        ),
         (dict(policy={}), ValueError, "must map at least one layer"),
-        (dict(policy={3: "/cpu:0"}), TypeError, "layer names or Keras layer classes as keys"),
-        (dict(devices=CPUS[:2], policy=[9]), ValueError, "strictly increasing layer positions from 1 to"),
+        (
+            dict(policy={3: "/cpu:0"}),
+            TypeError,
+            "layer names or Keras layer classes as keys",
+        ),
+        (
+            dict(devices=CPUS[:2], policy=[9]),
+            ValueError,
+            "strictly increasing layer positions from 1 to",
+        ),
         (dict(devices=CPUS[:2], policy=[0]), ValueError, "strictly increasing"),
-        (dict(devices=CPUS[:3], policy=[3, 2]), ValueError, "strictly increasing"),
-        (dict(devices=CPUS[:2], policy=[1, 2]), ValueError, "needs one cut per boundary between stages: 1 for 2 devices"),
-        (dict(devices=CPUS[:2], policy=["nope"]), ValueError, "names a cut at layer 'nope'"),
-        (dict(devices=CPUS[:2], policy=[1.5]), TypeError, "must hold layer indices or names"),
+        (
+            dict(devices=CPUS[:3], policy=[3, 2]),
+            ValueError,
+            "strictly increasing",
+        ),
+        (
+            dict(devices=CPUS[:2], policy=[1, 2]),
+            ValueError,
+            "needs one cut per boundary between stages: 1 for 2 devices",
+        ),
+        (
+            dict(devices=CPUS[:2], policy=["nope"]),
+            ValueError,
+            "names a cut at layer 'nope'",
+        ),
+        (
+            dict(devices=CPUS[:2], policy=[1.5]),
+            TypeError,
+            "must hold layer indices or names",
+        ),
         (dict(policy="fast"), ValueError, "must be 'balanced', a mapping"),
-        (dict(policy=3), TypeError, r"must be 'balanced', a mapping .* Received: policy=3 \(of type int\)"),
-        (dict(micro_batches=0), ValueError, r"Argument `micro_batches` must be an integer >= 1 or None. Received: micro_batches=0"),
-        (dict(micro_batches=2.0), TypeError, "Argument `micro_batches` must be an integer >= 1 or None"),
+        (
+            dict(policy=3),
+            TypeError,
+            r"must be 'balanced', a mapping .* Received: policy=3 "
+            r"\(of type int\)",
+        ),
+        (
+            dict(micro_batches=0),
+            ValueError,
+            r"Argument `micro_batches` must be an integer >= 1 or None. "
+            r"Received: micro_batches=0",
+        ),
+        (
+            dict(micro_batches=2.0),
+            TypeError,
+            "Argument `micro_batches` must be an integer >= 1 or None",
+        ),
     ],
 )
 def test_bad_arguments(kwargs, error, match):
     kwargs = dict(kwargs)
     if kwargs.pop("model", None) == "tiny":
         model = keras.Sequential(
-            [keras.Input((2,)), *(keras.layers.Dense(2) for _ in range(3))], name="tiny"
+            [keras.Input((2,)), *(keras.layers.Dense(2) for _ in range(3))],
+            name="tiny",
         )
     else:
         model = staged_mlp(2)
@@ -230,17 +323,30 @@ def test_bad_arguments(kwargs, error, match):
 
 
 def test_bad_models():
-    with pytest.raises(TypeError, match="expects a Sequential or functional keras.Model as argument `model`"):
+    with pytest.raises(
+        TypeError,
+        match="expects a Sequential or functional keras.Model as argument "
+        "`model`",
+    ):
         apply_placement(keras.layers.Dense(2))
     subclassed = _Subclassed()
     subclassed(np.zeros((1, 3), "float32"))
-    with pytest.raises(ValueError, match="cannot place a subclassed model: its layers are wired in Python code"):
+    with pytest.raises(
+        ValueError,
+        match="cannot place a subclassed model: its layers are wired in "
+        "Python code",
+    ):
         apply_placement(subclassed)
     unbuilt = keras.Sequential([keras.layers.Dense(2)], name="unbuilt")
-    with pytest.raises(ValueError, match=r"needs a built model with known inputs.*model='unbuilt'"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs a built model with known inputs.*model='unbuilt'",
+    ):
         apply_placement(unbuilt)
     placed = apply_placement(staged_mlp(2), CPUS[:2])
-    with pytest.raises(ValueError, match="is already placed; call `keras_mgpu.strip_placement"):
+    with pytest.raises(
+        ValueError, match="is already placed; call `keras_mgpu.strip_placement"
+    ):
         apply_placement(placed)
     with pytest.raises(ValueError, match="has no placed layers"):
         strip_placement(staged_mlp(2))

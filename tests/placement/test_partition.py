@@ -47,9 +47,28 @@ def test_balanced_cuts_are_optimal(seed):
 
 def _uneven_mlp():
     """16 Dense layers from 0.5k to 13k parameters, no two alike."""
-    widths = [16, 96, 48, 160, 24, 128, 64, 200, 32, 80, 112, 40, 144, 56, 180, 20]
+    widths = [
+        16,
+        96,
+        48,
+        160,
+        24,
+        128,
+        64,
+        200,
+        32,
+        80,
+        112,
+        40,
+        144,
+        56,
+        180,
+        20,
+    ]
     layers = [keras.Input((32,))]
-    layers += [keras.layers.Dense(w, name=f"dense_{i}") for i, w in enumerate(widths)]
+    layers += [
+        keras.layers.Dense(w, name=f"dense_{i}") for i, w in enumerate(widths)
+    ]
     return keras.Sequential(layers, name="uneven")
 
 

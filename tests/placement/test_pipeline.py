@@ -12,8 +12,8 @@ from _placement_helpers import (
     data,
     loss_and_grads,
     placed_nodes,
-    staged_mlp,
     stage_cuts,
+    staged_mlp,
     transfers,
 )
 
@@ -38,7 +38,10 @@ tf = _flavour.tf
 def test_gradients_equal_the_unpipelined_model(stages, micro_batches, batch):
     model = staged_mlp(stages)
     placed = apply_placement(
-        model, CPUS[:stages], policy=stage_cuts(model), micro_batches=micro_batches
+        model,
+        CPUS[:stages],
+        policy=stage_cuts(model),
+        micro_batches=micro_batches,
     )
     assert micro_batches_of(placed) == micro_batches
     x, y = data(batch)
@@ -49,7 +52,8 @@ def test_gradients_equal_the_unpipelined_model(stages, micro_batches, batch):
     assert_grads_close(grads, expected)
 
 
-def test_pipelined_fit_equals_the_unplaced_model_and_each_micro_batch_crosses_once():
+@pytest.mark.slow
+def test_pipelined_fit_equals_unplaced_and_each_micro_batch_crosses_once():
     model = staged_mlp(3)
     placed = apply_placement(
         model, CPUS[1:4], policy=stage_cuts(model), micro_batches=2
@@ -122,7 +126,9 @@ def test_batch_normalization_sees_micro_batches():
 def test_pipelined_model_round_trips_and_strips(tmp_path):
     model = staged_mlp(2)
     placed = apply_placement(model, CPUS[:2], micro_batches=3)
-    assert sum(isinstance(layer, MicroBatchSplit) for layer in placed.layers) == 1
+    assert (
+        sum(isinstance(layer, MicroBatchSplit) for layer in placed.layers) == 1
+    )
     path = str(tmp_path / "pipelined.keras")
     placed.save(path)
     loaded = keras.models.load_model(path)

@@ -13,8 +13,8 @@ from _placement_helpers import (
     data,
     device_of,
     placed_nodes,
-    staged_mlp,
     stage_cuts,
+    staged_mlp,
     transfers,
 )
 
@@ -50,6 +50,7 @@ def _stage_of(device):
     return STAGES.index(device) if device in STAGES else None
 
 
+@pytest.mark.slow
 def test_fit_equals_the_unplaced_model_and_tensors_cross_only_at_boundaries():
     """Stages on cpu:1..3, the host (input pipeline, loss scalars) on
     cpu:0. Between stage devices only the boundary activation goes forward
@@ -59,7 +60,9 @@ def test_fit_equals_the_unplaced_model_and_tensors_cross_only_at_boundaries():
     placed = apply_placement(model, CPUS[1:4], policy=stage_cuts(model))
     x, y = data()
     nodes = placed_nodes(
-        lambda: _fit(placed, x, y, keras.optimizers.Adam(0.01, clipnorm=1.0), epochs=1)
+        lambda: _fit(
+            placed, x, y, keras.optimizers.Adam(0.01, clipnorm=1.0), epochs=1
+        )
     )
     _fit(model, x, y, keras.optimizers.Adam(0.01, clipnorm=1.0), epochs=1)
     _assert_same_weights(placed, model)
@@ -81,6 +84,7 @@ def test_fit_equals_the_unplaced_model_and_tensors_cross_only_at_boundaries():
     assert devices == set(STAGES)
 
 
+@pytest.mark.slow
 def test_keras_file_round_trip_keeps_placement_and_resumes_exactly(tmp_path):
     model = staged_mlp(2)
     placed = apply_placement(model, CPUS[2:4])
@@ -93,7 +97,9 @@ def test_keras_file_round_trip_keeps_placement_and_resumes_exactly(tmp_path):
     assert [device_of(v) for v in loaded.weights] == [
         device_of(v) for v in placed.weights
     ]
-    assert {device_of(v) for v in loaded.optimizer.variables if len(v.shape)} == {
+    assert {
+        device_of(v) for v in loaded.optimizer.variables if len(v.shape)
+    } == {
         "/device:CPU:2",
         "/device:CPU:3",
     }
@@ -102,7 +108,10 @@ def test_keras_file_round_trip_keeps_placement_and_resumes_exactly(tmp_path):
     _assert_same_weights(loaded, placed, rtol=1e-6, atol=1e-7)
     with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
         again = keras.models.load_model(path)
-    assert {device_of(v) for v in again.weights} == {"/device:CPU:2", "/device:CPU:3"}
+    assert {device_of(v) for v in again.weights} == {
+        "/device:CPU:2",
+        "/device:CPU:3",
+    }
 
 
 @pytest.mark.slow
@@ -113,7 +122,9 @@ def test_composes_with_accumulation_lr_callbacks_and_monitors():
 
     def callbacks(monitors):
         found = [
-            LearningRateScaler(base_batch_size=4, per_replica_batch_size=8, verbose=0),
+            LearningRateScaler(
+                base_batch_size=4, per_replica_batch_size=8, verbose=0
+            ),
             LearningRateWarmup(warmup_steps=3),
         ]
         if monitors:
@@ -137,6 +148,7 @@ def test_composes_with_accumulation_lr_callbacks_and_monitors():
     assert history.history["learning_rate"][-1] == pytest.approx(0.04 * 2 / 3)
 
 
+@pytest.mark.slow
 def test_one_device_strategy_trains_with_variables_on_the_stages():
     x, y = data()
     with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
@@ -144,7 +156,10 @@ def test_one_device_strategy_trains_with_variables_on_the_stages():
         placed = apply_placement(model, CPUS[2:4])
         _fit(placed, x, y, keras.optimizers.SGD(0.05, momentum=0.9))
         _fit(model, x, y, keras.optimizers.SGD(0.05, momentum=0.9))
-    assert {device_of(v) for v in placed.weights} == {"/device:CPU:2", "/device:CPU:3"}
+    assert {device_of(v) for v in placed.weights} == {
+        "/device:CPU:2",
+        "/device:CPU:3",
+    }
     _assert_same_weights(placed, model)
 
 
@@ -173,13 +188,17 @@ def test_replicating_strategies_are_refused_with_what_to_do(tmp_path):
     path = str(tmp_path / "placed.keras")
     placed.save(path)
     with _mirrored().scope():
-        with pytest.raises(ValueError, match=MESSAGE.format("building PlacedLayer 's0_a'")):
+        with pytest.raises(
+            ValueError, match=MESSAGE.format("building PlacedLayer 's0_a'")
+        ):
             keras.models.load_model(path)
         placed.compile(optimizer="sgd", loss="mse")
     x, y = data()
     with pytest.raises(
         ValueError,
-        match=MESSAGE.format("its optimizer was created under a replicating strategy"),
+        match=MESSAGE.format(
+            "its optimizer was created under a replicating strategy"
+        ),
     ):
         placed.fit(x, y, verbose=0)
 
@@ -210,4 +229,7 @@ def test_memory_monitor_shows_one_stage_per_gpu():
     x = np.zeros((256, 1024), "float32")
     y = np.zeros((256, 16), "float32")
     history = _fit(placed, x, y, "adam", epochs=1, callbacks=[MemoryMonitor()])
-    assert history.history["mem/gpu0_peak_mb"][0] > 3 * history.history["mem/gpu1_peak_mb"][0]
+    assert (
+        history.history["mem/gpu0_peak_mb"][0]
+        > 3 * history.history["mem/gpu1_peak_mb"][0]
+    )
