@@ -99,6 +99,19 @@ def _place_layers(source: Any, device_of: dict[str, str]) -> Any:
     return clone
 
 
+def _check_dense_inputs(model: Any, micro_batches: int) -> None:
+    """Micro-batches are cut with `tf.split`, which needs dense tensors."""
+    for tensor in keras.tree.flatten(model.input):
+        if getattr(tensor, "sparse", False) or getattr(tensor, "ragged", False):
+            raise ValueError(
+                "Argument `micro_batches` needs dense inputs: model input "
+                f"{_graph.producer(tensor).name!r} is sparse or ragged, "
+                "which cannot be cut into micro-batches. Use "
+                "micro_batches=None, or densify the input. Received: "
+                f"micro_batches={micro_batches}"
+            )
+
+
 def apply_placement(
     model: Any,
     devices: Sequence[Any] | None = None,
@@ -184,6 +197,8 @@ def apply_placement(
     )
     check_strategy("apply_placement")
     functional = _graph.as_functional(model)
+    if micro_batches and micro_batches > 1:
+        _check_dense_inputs(functional, micro_batches)
     placeable = _graph.units(functional)
     device_list = assign_devices(
         model,

@@ -350,3 +350,25 @@ def test_bad_models():
         apply_placement(placed)
     with pytest.raises(ValueError, match="has no placed layers"):
         strip_placement(staged_mlp(2))
+
+
+def test_sparse_inputs_cannot_be_cut_into_micro_batches():
+    inputs = keras.Input((6,), sparse=True, name="bag")
+    outputs = keras.layers.Dense(2)(keras.layers.Dense(4)(inputs))
+    model = keras.Model(inputs, outputs)
+    with pytest.raises(
+        ValueError,
+        match="`micro_batches` needs dense inputs: model input 'bag' is "
+        "sparse or ragged",
+    ):
+        apply_placement(model, CPUS[:2], micro_batches=2)
+
+
+def test_a_device_this_process_lacks_warns_and_lets_tensorflow_place():
+    inputs = keras.Input((3,))
+    hidden = PlacedLayer(keras.layers.Dense(4, name="far"), "/gpu:7")
+    with pytest.warns(UserWarning, match="placed on /device:GPU:7, which this"):
+        outputs = hidden(inputs)
+    model = PlacedModel(inputs, outputs)
+    assert model.predict(np.ones((2, 3), "float32"), verbose=0).shape == (2, 4)
+    assert hidden.get_config()["device"] == "/device:GPU:7"
