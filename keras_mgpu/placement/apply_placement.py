@@ -16,11 +16,7 @@ from keras_mgpu._validation import check_int
 from keras_mgpu.placement import _graph
 from keras_mgpu.placement.devices import check_strategy, variables_on
 from keras_mgpu.placement.partition import assign_devices
-from keras_mgpu.placement.pipeline import (
-    MicroBatchConcat,
-    MicroBatchSplit,
-    pipelined,
-)
+from keras_mgpu.placement.pipeline import MicroBatchSplit, pipelined
 from keras_mgpu.placement.placed_layer import PlacedLayer, PlacedOperation
 from keras_mgpu.placement.placed_model import PlacedModel
 
@@ -219,9 +215,7 @@ def apply_placement(
         name: device_of.get(name, device_list[-1])
         for name in stages.output_names
     }
-    inputs, outputs = pipelined(
-        stages, micro_batches, device_list[0], last, model.name
-    )
+    inputs, outputs = pipelined(stages, micro_batches, device_list[0], last)
     return PlacedModel(inputs, outputs, name=model.name)
 
 
@@ -270,7 +264,6 @@ def strip_placement(model: Any) -> Any:
 
 
 __all__ = [
-    "MicroBatchConcat",
     "apply_placement",
     "micro_batches_of",
     "strip_placement",

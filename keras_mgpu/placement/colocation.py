@@ -14,6 +14,7 @@ device of its variable and a stage's tensors on the stage.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,18 +26,26 @@ _PASS_THROUGH = ("Identity", "ReadVariableOp", "Cast", "Reshape")
 _MAX_DEPTH = 4
 
 
+# Per function graph: {id(inner placeholder): outer tensor}.
+_CAPTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _captured_external(tensor: Any) -> Any:
     """The outer tensor that a function-graph placeholder captures, if any.
 
     Read from `FuncGraph.captures` (TensorFlow 2.21): pairs of (outer
     tensor, inner placeholder); a captured variable's outer tensor is its
-    resource handle, whose `device` is the variable's device.
+    resource handle, whose `device` is the variable's device. Indexed per
+    graph, re-read only on a miss (the device function runs for every op
+    of the step).
     """
-    captures = getattr(tensor.graph, "captures", None) or ()
-    for external, internal in captures:
-        if internal is tensor:
-            return external
-    return None
+    graph = tensor.graph
+    index = _CAPTURES.get(graph)
+    if index is None or id(tensor) not in index:
+        captures = getattr(graph, "captures", None) or ()
+        index = {id(internal): external for external, internal in captures}
+        _CAPTURES[graph] = index
+    return index.get(id(tensor))
 
 
 def tensor_device(tensor: Any, depth: int = 0) -> str:

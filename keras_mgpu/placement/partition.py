@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from keras_mgpu._flavour import keras
-from keras_mgpu.placement.devices import canonical_device, resolve_devices
+from keras_mgpu.placement.devices import resolve_devices
 
 POLICIES = ("balanced",)
 
@@ -232,4 +232,4 @@ def assign_devices(
     return _devices_from_cuts(starts, names, len(placeable))
 
 
-__all__ = ["assign_devices", "balanced_cuts", "canonical_device"]
+__all__ = ["assign_devices", "balanced_cuts"]

@@ -12,6 +12,7 @@ that treat examples independently.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from keras_mgpu._flavour import keras, register_serializable, tf
@@ -21,8 +22,6 @@ from keras_mgpu.placement.devices import canonical_device, device_exists
 
 
 def _on(device: str):
-    import contextlib
-
     return (
         tf.device(device) if device_exists(device) else contextlib.nullcontext()
     )
@@ -127,9 +126,7 @@ class MicroBatchConcat(keras.layers.Layer):
         return config
 
 
-def pipelined(
-    stages: Any, micro_batches: int, first: str, last: dict, name: str
-):
+def pipelined(stages: Any, micro_batches: int, first: str, last: dict):
     """(inputs, outputs) of a graph that runs the functional model `stages`
     once per micro-batch.
 
@@ -138,7 +135,6 @@ def pipelined(
         micro_batches: int >= 2.
         first: device of the splits.
         last: {output layer name: device} for the concatenations.
-        name: the model's name (the splits are named after it).
     """
     inputs = keras.tree.map_structure(
         lambda t: keras.Input(
@@ -165,5 +161,4 @@ def pipelined(
         for k, out_name in enumerate(output_names)
     ]
     outputs = keras.tree.pack_sequence_as(stages.output, flat_outputs)
-    del name
     return inputs, outputs

@@ -46,25 +46,11 @@ def test_balanced_cuts_are_optimal(seed):
 
 
 def _uneven_mlp():
-    """16 Dense layers from 0.5k to 13k parameters, no two alike."""
-    widths = [
-        16,
-        96,
-        48,
-        160,
-        24,
-        128,
-        64,
-        200,
-        32,
-        80,
-        112,
-        40,
-        144,
-        56,
-        180,
-        20,
-    ]
+    """16 Dense layers from 0.3k to 40k parameters, the big ones bunched:
+    four layers a stage would give 2.0x the mean on 4 devices, eight a
+    stage 1.4x on 2."""
+    widths = [160, 200, 200, 64, 128, 200, 8, 32]
+    widths += [24, 160, 200, 24, 16, 160, 48, 8]
     layers = [keras.Input((32,))]
     layers += [
         keras.layers.Dense(w, name=f"dense_{i}") for i, w in enumerate(widths)
@@ -76,7 +62,7 @@ def _uneven_mlp():
 def test_balanced_policy_evens_out_parameter_bytes(devices):
     model = _uneven_mlp()
     sizes = [layer.count_params() for layer in model.layers]
-    assert max(sizes) / min(sizes) > 20  # genuinely uneven
+    assert max(sizes) / min(sizes) > 100  # genuinely uneven
     placed = apply_placement(model, CPUS[:devices])
     per_device = {}
     for variable in placed.weights:  # as TensorFlow placed them
