@@ -17,6 +17,7 @@ from typing import Any
 
 from keras_mgpu._flavour import keras, register_serializable, tf
 from keras_mgpu._validation import check_int
+from keras_mgpu.placement import micro_batch_groups
 from keras_mgpu.placement._graph import producer
 from keras_mgpu.placement.devices import canonical_device, device_exists
 
@@ -59,6 +60,7 @@ class MicroBatchSplit(keras.layers.Layer):
         self.supports_jit = False
 
     def call(self, inputs: Any, training: bool | None = None) -> list:
+        micro_batch_groups.open_group()
         with _on(self.device):
             batch = tf.shape(inputs, out_type=tf.int32)[0]
             if training:
@@ -108,6 +110,7 @@ class MicroBatchConcat(keras.layers.Layer):
         self.supports_jit = False
 
     def call(self, inputs: list) -> Any:
+        micro_batch_groups.close_group()
         with _on(self.device):
             return tf.concat(list(inputs), axis=0)
 

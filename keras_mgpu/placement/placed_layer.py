@@ -9,6 +9,7 @@ import warnings
 from typing import Any
 
 from keras_mgpu._flavour import check_flavour, keras, register_serializable, tf
+from keras_mgpu.placement import micro_batch_groups
 from keras_mgpu.placement.devices import (
     canonical_device,
     check_strategy,
@@ -202,9 +203,10 @@ class PlacedLayer(keras.layers.Layer):
     ) -> Any:
         check_strategy(f"calling PlacedLayer {self.name!r}")
         kwargs = self._layer_kwargs(kwargs, training, mask)
+        slot = micro_batch_groups.register(self)
         with self._scope():
             return call_on_device(
-                self.layer, (inputs, *args), kwargs, self.device
+                self.layer, (inputs, *args), kwargs, self.device, slot
             )
 
     def get_config(self) -> dict:
@@ -231,14 +233,17 @@ class PlacedLayer(keras.layers.Layer):
         return cls(layer, device, **config)
 
 
-def call_on_device(layer: Any, args: tuple, kwargs: dict, device: str) -> Any:
+def call_on_device(
+    layer: Any, args: tuple, kwargs: dict, device: str, slot: Any = None
+) -> Any:
     """`layer(*args, **kwargs)` whose gradient is computed on `device`.
 
     A `tf.custom_gradient` over the floating tensors among the arguments
     (and the variables the layer reads); its gradient function
     differentiates a tape recorded during the forward pass, under
     `tf.device(device)`. Masks the layer attached to its outputs are put
-    back on the returned tensors.
+    back on the returned tensors. With a micro-batch group `slot`, the
+    variable gradients are summed there (see `micro_batch_groups`).
     """
     structure = (list(args), kwargs)
     flat = tf.nest.flatten(structure)
@@ -267,14 +272,16 @@ def call_on_device(layer: Any, args: tuple, kwargs: dict, device: str) -> Any:
         out_info["masks"] = [_get_keras_mask(t) for t in flat_outputs]
 
         def grad_fn(*output_grads, variables=None):
+            variables = list(variables or [])
             with tf.device(device):
-                return _placed_gradients(
-                    tape,
-                    flat_outputs,
-                    output_grads,
-                    diff_args,
-                    list(variables or []),
+                if slot is not None:
+                    output_grads = slot.after_previous(output_grads)
+                input_grads, variable_grads = _placed_gradients(
+                    tape, flat_outputs, output_grads, diff_args, variables
                 )
+                if slot is not None:
+                    variable_grads = slot.add(variables, variable_grads)
+            return input_grads, variable_grads
 
         return tuple(flat_outputs), grad_fn
 
