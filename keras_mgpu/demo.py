@@ -565,7 +565,7 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
 def _report_title(summary: dict) -> str:
     if summary.get("model_parallel"):
         where = (
-            f"{len(summary['placement'])} x {summary['device_kind']} "
+            f"{len(_stages(summary))} x {summary['device_kind']} "
             "(model parallel)"
         )
     else:
@@ -583,8 +583,13 @@ def _report_title(summary: dict) -> str:
     return "  |  ".join(parts)
 
 
+def _stages(summary: dict) -> list:
+    """The placement rows that hold a stage (not only optimizer counters)."""
+    return [row for row in summary["placement"] if row["stage"] is not None]
+
+
 def _model_parallel_devices(summary: dict) -> str:
-    stages = len(summary["placement"])
+    stages = len(_stages(summary))
     kind = "GPU" if summary["device_kind"] == "GPU" else "logical CPU device"
     pipelining = (
         f", {summary['micro_batches']} micro-batches per step"
@@ -597,9 +602,7 @@ def _model_parallel_devices(summary: dict) -> str:
 def _placement_rows(summary: dict) -> list:
     """One row per stage: device, layers, parameters (model parallel)."""
     rows = []
-    for index, stage in enumerate(summary.get("placement") or []):
-        if stage["stage"] is None:
-            continue  # optimizer counters only
+    for index, stage in enumerate(_stages(summary)):
         device = stage["device"].replace("/device:", "")
         rows.append(
             (
@@ -664,7 +667,8 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
         ("updates", f"{summary['updates']} in {summary['epochs']} epochs"),
         ("final accuracy", accuracy),
     ]
-    rows += _placement_rows(summary)
+    if summary.get("model_parallel"):
+        rows += _placement_rows(summary)
     if summary["peak_memory"]:
         for index, row in enumerate(summary["peak_memory"]):
             peak = row["peak_mb"]

@@ -2,12 +2,17 @@
 
 A pipelined model calls every placed layer once per micro-batch. Left to
 itself, the gradient tape sums a variable's M per-micro-batch gradients
-with one `AddN`, which waits for all M: M copies of each weight gradient
-are alive at once (measured: the allocator peak of 8 x Dense 1024 at
-batch 64 grew 10x at M = 8). Instead, the calls a layer makes while one
-pipelined step runs form a group; their gradient functions add each new
-weight gradient to a running sum and hand the tape only the total, from
-the last of them, so about two weight gradients are alive at a time.
+with one `AddN`, and the executor computes all M (they are ready at
+the same time) before summing: M copies of each weight gradient alive at
+once. Instead, the calls a layer makes while one pipelined step runs form
+a group; each call's backward pass waits for the running sum of the
+previous ones, adds its weight gradients to it, and only the last hands
+the tape the total. One micro-batch's weight gradients at a time per
+layer, as GPipe's per-device schedule runs them anyway. Measured on 4
+logical CPU devices, 8 x Dense 1024 at batch 64, M = 8: allocator peak
+about 230 MiB with the tape's AddN, 40 MiB with the running sum (20 MiB
+without micro-batches). Graph mode only: eagerly the tape keeps every
+activation anyway.
 
 Groups are opened by the first `MicroBatchSplit` of a pipelined call and
 closed by its first `MicroBatchConcat` (Keras runs a functional graph's

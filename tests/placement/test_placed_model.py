@@ -115,6 +115,7 @@ def test_keras_file_round_trip_keeps_placement_and_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:LearningRateWarmup")  # 2 of 3 updates
 def test_composes_with_accumulation_lr_callbacks_and_monitors():
     model = staged_mlp(2)
     placed = apply_placement(model, CPUS[:2])
