@@ -25,13 +25,16 @@ _EXPORTS = {
     "GradientAccumulationOptimizer": "keras_mgpu.optimizers",
     "RecomputeGrad": "keras_mgpu.layers",
     "Warmup": "keras_mgpu.schedules",
+    "apply_placement": "keras_mgpu.placement",
     "apply_recompute": "keras_mgpu.layers",
     "configure_batch": "keras_mgpu.batch_size",
     "find_batch_size": "keras_mgpu.batch_size",
     "global_batch_size": "keras_mgpu.distribute",
     "num_replicas_in_sync": "keras_mgpu.distribute",
     "plan_batch": "keras_mgpu.batch_size",
+    "placement_report": "keras_mgpu.placement",
     "scaled_learning_rate": "keras_mgpu.schedules",
+    "strip_placement": "keras_mgpu.placement",
     "strip_recompute": "keras_mgpu.layers",
 }
 _SUBMODULES = (
@@ -41,6 +44,7 @@ _SUBMODULES = (
     "layers",
     "monitoring",
     "optimizers",
+    "placement",
     "schedules",
 )
 
@@ -54,6 +58,7 @@ if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
         layers,  # noqa: F401
         monitoring,  # noqa: F401
         optimizers,  # noqa: F401
+        placement,  # noqa: F401
         schedules,  # noqa: F401
     )
     from keras_mgpu._flavour import FLAVOUR  # noqa: F401
@@ -72,6 +77,11 @@ if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
         strip_recompute,  # noqa: F401
     )
     from keras_mgpu.optimizers import GradientAccumulationOptimizer  # noqa: F401
+    from keras_mgpu.placement import (
+        apply_placement,  # noqa: F401
+        placement_report,  # noqa: F401
+        strip_placement,  # noqa: F401
+    )
     from keras_mgpu.schedules import (
         Warmup,  # noqa: F401
         scaled_learning_rate,  # noqa: F401

@@ -1,5 +1,6 @@
 """The `keras-mgpu demo` training recipe: a small CNN on scikit-learn's 8x8
-digits under `MirroredStrategy`, with every keras_mgpu component on.
+digits under `MirroredStrategy` (or, with `model_parallel`, split across
+the devices by `apply_placement`), with every keras_mgpu component on.
 
 Kept apart from the command line (`keras_mgpu.cli`) so that the recipe reads
 as one example of using the pack: gradient accumulation
@@ -54,6 +55,10 @@ class DemoConfig:
     recompute: bool = True
     seed: int = 0
     progress: bool = True
+    # Split the model across the devices (apply_placement) instead of
+    # mirroring it; micro_batches > 1 pipelines it.
+    model_parallel: bool = False
+    micro_batches: int = 1
 
 
 def configure_devices(
@@ -369,6 +374,11 @@ def _compiled_model(config: DemoConfig, strategy: Any) -> tuple[Any, int]:
     steps = config.accumulation_steps if config.accumulation else 1
     with strategy.scope():
         model = build_model(recompute=config.recompute)
+        if config.model_parallel:
+            from keras_mgpu.placement import apply_placement
+
+            # The devices configure_devices left visible, one stage each.
+            model = apply_placement(model, micro_batches=config.micro_batches)
         optimizer = keras.optimizers.Adam(BASE_LEARNING_RATE)
         if config.accumulation:
             optimizer = GradientAccumulationOptimizer(optimizer, steps)
@@ -548,6 +558,17 @@ def _summary(
     }
 
 
+def _placement_summary(config: DemoConfig, model: Any) -> dict:
+    """Where the model-parallel demo put its stages (placement_report)."""
+    from keras_mgpu.placement import placement_report
+
+    return {
+        "model_parallel": True,
+        "micro_batches": config.micro_batches,
+        "placement": placement_report(model, print_fn=None),
+    }
+
+
 def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
     """Train the demo model and write its CSV log, PNG report and summary.
 
@@ -562,7 +583,11 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
     keras.utils.set_random_seed(config.seed)
     data = load_digits_split(config.seed)
 
-    strategy = tf.distribute.MirroredStrategy(devices=device_info["devices"])
+    strategy = (
+        tf.distribute.get_strategy()  # one replica spanning the devices
+        if config.model_parallel
+        else tf.distribute.MirroredStrategy(devices=device_info["devices"])
+    )
     replicas = strategy.num_replicas_in_sync
     batch_by_memory = None
     if config.global_batch_size is not None:
@@ -590,6 +615,8 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
         "batch_by_memory": batch_by_memory,
     }
     summary = _summary(config, device_info, run, paths)
+    if config.model_parallel:
+        summary.update(_placement_summary(config, model))
     plot_training_report(
         paths.csv, paths.png, steps=paths.steps, title=_report_title(summary)
     )
@@ -600,9 +627,18 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
 
 
 def _report_title(summary: dict) -> str:
+    if summary.get("model_parallel"):
+        where = (
+            f"{len(_stages(summary))} x {summary['device_kind']} "
+            "(model parallel)"
+        )
+    else:
+        where = (
+            f"{summary['replicas']} x {summary['device_kind']} "
+            "(MirroredStrategy)"
+        )
     parts = [
-        f"keras-mgpu demo: digits CNN, {summary['replicas']} x "
-        f"{summary['device_kind']} (MirroredStrategy)",
+        f"keras-mgpu demo: digits CNN, {where}",
         f"global batch {summary['global_batch_size']} = "
         f"{summary['per_replica_batch_size']} x {summary['replicas']} x "
         f"{summary['accumulation_steps']} accumulation",
@@ -623,6 +659,37 @@ def _batch_by_memory_rows(found: dict | None) -> list:
             f"{found['search_seconds']:.1f} s)",
         )
     ]
+
+
+def _stages(summary: dict) -> list:
+    """The placement rows that hold a stage (not only optimizer counters)."""
+    return [row for row in summary["placement"] if row["stage"] is not None]
+
+
+def _model_parallel_devices(summary: dict) -> str:
+    stages = len(_stages(summary))
+    kind = "GPU" if summary["device_kind"] == "GPU" else "logical CPU device"
+    pipelining = (
+        f", {summary['micro_batches']} micro-batches per step"
+        if summary["micro_batches"] > 1
+        else ""
+    )
+    return f"model split into {stages} stages on {stages} x {kind}{pipelining}"
+
+
+def _placement_rows(summary: dict) -> list:
+    """One row per stage: device, layers, parameters (model parallel)."""
+    rows = []
+    for index, stage in enumerate(_stages(summary)):
+        device = stage["device"].replace("/device:", "")
+        rows.append(
+            (
+                "placement" if index == 0 else "",
+                f"{device}: {', '.join(stage['layers'])} "
+                f"({stage['params']:,} params)",
+            )
+        )
+    return rows
 
 
 def format_summary(summary: dict, total_seconds: float | None = None) -> str:
@@ -664,8 +731,12 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
         f"{summary['final_accuracy']:.4f} on {summary['test_images']} "
         f"held-out digits (train {summary['final_train_accuracy']:.4f})"
     )
+    if summary.get("model_parallel"):
+        devices = _model_parallel_devices(summary)
+    else:
+        devices += " under MirroredStrategy"
     rows = [
-        ("devices", devices + " under MirroredStrategy"),
+        ("devices", devices),
         ("global batch", batch),
         *_batch_by_memory_rows(summary.get("batch_by_memory")),
         ("accumulation", accumulation),
@@ -675,6 +746,8 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
         ("updates", f"{summary['updates']} in {summary['epochs']} epochs"),
         ("final accuracy", accuracy),
     ]
+    if summary.get("model_parallel"):
+        rows += _placement_rows(summary)
     if summary["peak_memory"]:
         for index, row in enumerate(summary["peak_memory"]):
             peak = row["peak_mb"]

@@ -113,6 +113,37 @@ def _is_png(path) -> bool:
             ["demo", "--memory-budget-mb", "10"],
             "--memory-budget-mb needs --global-batch",
         ),
+        (
+            ["demo", "--micro-batches", "2"],
+            "--micro-batches needs --model-parallel",
+        ),
+        (
+            ["demo", "--model-parallel", "--devices", "1"],
+            "--model-parallel needs 2 or more devices",
+        ),
+        (
+            ["demo", "--model-parallel", "--micro-batches", "0"],
+            "argument --micro-batches: must be an integer from 1 to 1024",
+        ),
+        (
+            [
+                "demo",
+                "--model-parallel",
+                "--micro-batches",
+                "8",
+                "--batch-size",
+                "4",
+            ],
+            "--micro-batches 8 is larger than --batch-size 4",
+        ),
+        (
+            ["demo", "--global-batch", "64", "--model-parallel"],
+            "--global-batch cannot be combined with --model-parallel",
+        ),
+        (
+            ["demo", "--model-parallel", "--micro-batches", "40"],
+            "--micro-batches 40 is larger than --batch-size 32",
+        ),
         (["demo", "--no-such-option"], "unrecognized arguments"),
         (["report"], "the following arguments are required: RUN.csv"),
     ],
@@ -406,3 +437,42 @@ def test_demo_global_batch_larger_than_the_data():
         demo._batch_by_memory(
             config, demo.tf.distribute.get_strategy(), demo.load_digits_split()
         )
+
+
+@pytest.mark.slow
+def test_demo_model_parallel_splits_the_cnn_across_two_devices(tmp_path):
+    result = _run(
+        [
+            "demo",
+            "--cpu",
+            "--model-parallel",
+            "--micro-batches",
+            "4",
+            "--epochs",
+            "3",
+            "--output",
+            str(tmp_path),
+        ],
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["model_parallel"] is True and summary["replicas"] == 1
+    assert summary["micro_batches"] == 4
+    stages = [row for row in summary["placement"] if row["stage"] is not None]
+    assert [row["device"] for row in stages] == [
+        "/device:CPU:0",
+        "/device:CPU:1",
+    ]
+    assert sum(row["params"] for row in stages) == 47530  # the whole CNN
+    # Measured: 0.886 after 3 epochs (seed 0); the mirrored demo reaches
+    # 0.95 after 5.
+    assert summary["final_accuracy"] >= 0.8
+    out = result.stdout
+    assert "split across 2 logical CPU devices" in out
+    assert (
+        "model split into 2 stages on 2 x logical CPU device, 4 "
+        "micro-batches per step" in out
+    )
+    assert "placement             CPU:0: conv2d, recompute_conv_block" in out
