@@ -8,8 +8,6 @@ import shutil
 import tempfile
 from typing import Any
 
-import numpy as np
-
 from keras_mgpu._flavour import object_flavour
 
 _METADATA = "training_metadata.json"
@@ -289,12 +287,10 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
 
     def _check_workers_agree(self, metadata: dict | None) -> None:
         """Every worker must restore the same backup (one all-reduce)."""
-        from keras_mgpu.distribute.collectives import sum_over_workers
+        from keras_mgpu.distribute.collectives import gather_rows
 
         seen = -1 if metadata is None else int(metadata["epoch"])
-        row = np.zeros((self._num_workers, 1), dtype=np.float64)
-        row[self._task_id, 0] = seen + 2  # > 0: every worker fills its row
-        epochs = sum_over_workers(self._strategy(), row)[:, 0] - 2
+        epochs = gather_rows(self._strategy(), [seen])[:, 0]
         if len(set(epochs.tolist())) > 1:
             described = ", ".join(
                 f"worker {i}: "

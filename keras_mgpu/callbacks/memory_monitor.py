@@ -170,7 +170,9 @@ class MemoryMonitor(*callback_bases()):
         self._prefix = self._gathering.start(
             strategy, self.worker_prefix, self._notices
         )
-        devices = strategy_devices(strategy)
+        devices = strategy_devices(
+            strategy, getattr(self.model, "variables", ())
+        )
         self._devices = []
         for device in devices:
             if device.startswith("CPU:"):

@@ -212,12 +212,14 @@ def test_xla_is_turned_off():
     assert placed.jit_compile is False
 
 
+def test_memory_monitor_reads_every_stage_device():
+    from keras_mgpu.monitoring.tf_memory import strategy_devices
+
+    placed = apply_placement(staged_mlp(2), CPUS[:2])
+    assert strategy_devices(None, placed.variables) == ["CPU:0", "CPU:1"]
+
+
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    reason="MemoryMonitor reads only the first GPU under the default "
-    "strategy; it needs to read the devices of the model's variables",
-    strict=False,
-)
 def test_memory_monitor_shows_one_stage_per_gpu():
     gpus = tf.config.list_logical_devices("GPU")
     if len(gpus) < 2:
