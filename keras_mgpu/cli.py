@@ -528,6 +528,19 @@ def _nvml_lines() -> list[str]:
             pynvml.nvmlShutdown()
 
 
+def _multi_worker_fit_state() -> str:
+    import keras as keras3
+
+    from keras_mgpu.distribute import multi_worker_fit
+
+    if multi_worker_fit.keras_version_is_tested(keras3.version()):
+        return f"tested with this Keras, {keras3.version()}"
+    return (
+        f"not tested with Keras {keras3.version()}: it patches nothing and "
+        "warns"
+    )
+
+
 def _strategy_lines(
     is_tf_keras: bool, num_gpus: int, num_cpu_devices: int
 ) -> list[str]:
@@ -555,8 +568,10 @@ def _strategy_lines(
     else:
         lines += [
             "  MultiWorkerMirroredStrategy  model.fit fails in Keras 3 "
-            "(keras#20585); a custom loop with strategy.run works "
-            "(examples/multi_worker.py)",
+            "(keras#20585) unless you call "
+            "keras_mgpu.distribute.enable_multi_worker_fit() first "
+            f"({_multi_worker_fit_state()}; examples/multi_worker.py); add "
+            "callbacks.BackupAndRestore, WorkerWatchdog, StragglerMonitor",
             "  ParameterServerStrategy      not with Keras 3 model.fit (no "
             "DatasetCreator); use tf_keras (TF_USE_LEGACY_KERAS=1)",
         ]

@@ -207,6 +207,8 @@ def test_strategy_lines_follow_flavour_and_gpus():
     keras3 = "\n".join(cli._strategy_lines(False, 0, 2))
     assert "across logical CPU devices" in keras3
     assert "keras#20585" in keras3
+    assert "keras_mgpu.distribute.enable_multi_worker_fit()" in keras3
+    assert "tested with this Keras" in keras3
     legacy = "\n".join(cli._strategy_lines(True, 4, 1))
     assert "model.fit across the 4 GPUs" in legacy
     assert "MultiWorkerMirroredStrategy  model.fit works (tf_keras)" in legacy
