@@ -2,7 +2,13 @@
 
 The Keras flavour is fixed per process, so the tf_keras tests
 (`tests/legacy`) run in a pytest process of their own with
-`TF_USE_LEGACY_KERAS=1`. Extra arguments are passed to both pytest runs.
+`TF_USE_LEGACY_KERAS=1`. Each run spreads its test files over two
+pytest-xdist processes (`--dist loadfile`: a module's tests, and the
+multi-worker cluster its module fixture starts, stay in one process):
+the tests are mostly single-threaded Python, so two processes nearly halve
+the time on two cores. Extra arguments are passed to both pytest runs
+(`-n 0` runs everything in one process; KERAS_MGPU_TEST_WORKERS sets
+the number of processes).
 Prints one closing line with the totals and exits non-zero if either run
 failed.
 """
@@ -17,6 +23,7 @@ import xml.etree.ElementTree as ET
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
+WORKERS = os.environ.get("KERAS_MGPU_TEST_WORKERS", "2")
 
 
 def _counts(junit_path: str) -> dict[str, int]:
@@ -39,6 +46,10 @@ def _run(label: str, extra_env: dict[str, str], paths: list[str]) -> tuple:
         "-m",
         "pytest",
         *paths,
+        "-n",
+        WORKERS,
+        "--dist",
+        "loadfile",
         f"--junitxml={junit}",
         *sys.argv[1:],
     ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from keras_mgpu._flavour import keras, tf
+from keras_mgpu._flavour import flavour_of, keras_of, tf
 from keras_mgpu._validation import check_choice, check_int, check_number
 from keras_mgpu.batch_size.finder import BatchSizeResult, probe_batch_size
 from keras_mgpu.batch_size.plan import DEFAULT_MIN_FILL, BatchPlan, plan_batch
@@ -209,10 +209,14 @@ def _training_optimizer(model: Any, strategy: Any, steps: int) -> Any:
     correction = False
     wrapper = current
     while wrapper is not None:
-        if isinstance(wrapper, GradientAccumulationOptimizer):
-            correction = wrapper.momentum_correction
+        # Either flavour's wrapper (they are different classes).
+        correction = correction or bool(
+            getattr(wrapper, "momentum_correction", False)
+        )
         wrapper = getattr(wrapper, "inner_optimizer", None)
-    config = keras.saving.serialize_keras_object(_innermost(current))
+    innermost = _innermost(current)
+    keras = keras_of(flavour_of(innermost))
+    config = keras.saving.serialize_keras_object(innermost)
     with strategy.scope():
         inner = keras.saving.deserialize_keras_object(config)
         if steps == 1 and not correction:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from keras_mgpu._flavour import IS_TF_KERAS, keras, tf
+from keras_mgpu._flavour import flavour_of, keras_of, tf
 from keras_mgpu.batch_size.samples import SampleBatches
 from keras_mgpu.batch_size.search import OutOfMemory
 from keras_mgpu.monitoring.tf_memory import TFMemoryReader
@@ -82,6 +82,8 @@ class ModelBlueprint:
             )
         self.name = model.name
         self._class = type(model)
+        # The model's own flavour, whatever TF_USE_LEGACY_KERAS says.
+        self._keras = keras = keras_of(flavour_of(model))
         try:
             self._config = dict(keras.saving.serialize_keras_object(model))
         except Exception as exc:  # any failure means: cannot be copied
@@ -103,6 +105,7 @@ class ModelBlueprint:
 
     def build(self) -> Any:
         """The compiled copy, in the current strategy scope."""
+        keras = self._keras
         try:
             copy = keras.saving.deserialize_keras_object(
                 self._config,
@@ -120,6 +123,7 @@ class ModelBlueprint:
         return copy
 
     def _compile_arguments(self) -> dict:
+        keras = self._keras
         try:
             arguments = dict(
                 keras.saving.deserialize_keras_object(self._compile)
@@ -137,11 +141,13 @@ class ModelBlueprint:
         # One step per call, whatever the user's steps_per_execution.
         arguments["steps_per_execution"] = 1
         if self.accumulate:
-            arguments["optimizer"] = _with_accumulation(arguments["optimizer"])
+            arguments["optimizer"] = _with_accumulation(
+                arguments["optimizer"], keras
+            )
         return arguments
 
 
-def _with_accumulation(optimizer: Any) -> Any:
+def _with_accumulation(optimizer: Any, keras: Any) -> Any:
     from keras_mgpu.optimizers import GradientAccumulationOptimizer
 
     if isinstance(optimizer, str | dict):
@@ -256,7 +262,8 @@ def run_in_clean_thread(function: Callable[[], Any]) -> Any:
     the copy's unseeded initializer seeds from it, and the probe must not
     change the caller's later random draws.
     """
-    policy = None if IS_TF_KERAS else keras.config.dtype_policy()
+    keras = keras_of("keras3")  # its dtype policy is per thread
+    policy = keras.config.dtype_policy()
     outcome: dict[str, Any] = {}
 
     def target() -> None:

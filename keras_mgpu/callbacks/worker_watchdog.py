@@ -40,6 +40,12 @@ class WorkerWatchdog(*callback_bases()):
       (Slurm, Kubernetes, Ray) restarts the job, and `BackupAndRestore`
       resumes it.
 
+    A killed worker may also be caught first by TensorFlow's own peer
+    health check (`MultiWorkerMirroredStrategy` pings every peer every 30 s):
+    the error then reads "cluster check alive failed,
+    /job:worker/replica:0/task:1 is down", naming the task as well. A
+    stalled worker answers those pings: only this callback names it.
+
     Outside multi-worker training it does nothing. It reads no tensor and
     adds no collective: its cost is one key-value write per heartbeat and a
     Python frame lookup. `timeout` must exceed the longest legitimate step

@@ -13,7 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from keras_mgpu._flavour import IS_TF_KERAS, check_flavour, keras
+from keras_mgpu._flavour import check_flavour, keras_of, object_flavour
+
+# Placement is Keras 3 only, whatever TF_USE_LEGACY_KERAS says.
+keras = keras_of("keras3")
 
 
 def is_functional(model: Any) -> bool:
@@ -29,12 +32,13 @@ def is_functional(model: Any) -> bool:
 def check_model(model: Any, function: str) -> None:
     """Raise unless `model` is a built Sequential or functional Keras 3
     model (errors name the argument `model`)."""
-    if IS_TF_KERAS:
+    if object_flavour(model) == "tf_keras":
         raise NotImplementedError(
             f"`keras_mgpu.{function}` needs Keras 3 (TensorFlow backend); it "
-            "is not available under tf_keras (TF_USE_LEGACY_KERAS=1)."
+            "is not available under tf_keras (TF_USE_LEGACY_KERAS=1): give it "
+            f"a Keras 3 model. Received: model={model.name!r} (tf_keras)"
         )
-    check_flavour(model, "model")
+    check_flavour(model, "model", "keras3")
     if not isinstance(model, keras.Model):
         raise TypeError(
             f"`{function}` expects a Sequential or functional keras.Model "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
-from keras_mgpu._flavour import keras
+from keras_mgpu._flavour import keras_of
 from keras_mgpu._validation import check_int
 from keras_mgpu.placement import _graph
 from keras_mgpu.placement.devices import check_strategy, variables_on
@@ -19,6 +19,9 @@ from keras_mgpu.placement.partition import assign_devices
 from keras_mgpu.placement.pipeline import MicroBatchSplit, pipelined
 from keras_mgpu.placement.placed_layer import PlacedLayer, PlacedOperation
 from keras_mgpu.placement.placed_model import PlacedModel
+
+# Placement is Keras 3 only, whatever TF_USE_LEGACY_KERAS says.
+keras = keras_of("keras3")
 
 Policy = Union[str, Mapping[Any, Any], Sequence[Union[int, str]]]
 

@@ -18,8 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from keras_mgpu._flavour import keras
+from keras_mgpu._flavour import keras_of
 from keras_mgpu.placement.devices import resolve_devices
+
+# Placement is Keras 3 only, whatever TF_USE_LEGACY_KERAS says.
+keras = keras_of("keras3")
 
 POLICIES = ("balanced",)
 

@@ -13,13 +13,17 @@ that treat examples independently.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
-from keras_mgpu._flavour import keras, register_serializable, tf
+from keras_mgpu._flavour import keras_of, register_serializable, tf
 from keras_mgpu._validation import check_int
 from keras_mgpu.placement import micro_batch_groups
 from keras_mgpu.placement._graph import producer
 from keras_mgpu.placement.devices import canonical_device, device_exists
+
+# Placement is Keras 3 only, whatever TF_USE_LEGACY_KERAS says.
+keras = keras_of("keras3")
 
 
 def _on(device: str):
@@ -36,7 +40,7 @@ def micro_batch_sizes(batch: Any, micro_batches: int) -> Any:
     return base + tf.cast(tf.range(micro_batches) < extra, batch.dtype)
 
 
-@register_serializable
+@functools.partial(register_serializable, flavour="keras3")
 class MicroBatchSplit(keras.layers.Layer):
     """Cuts a batch into `micro_batches` pieces along the first axis.
 
@@ -91,7 +95,7 @@ class MicroBatchSplit(keras.layers.Layer):
         return config
 
 
-@register_serializable
+@functools.partial(register_serializable, flavour="keras3")
 class MicroBatchConcat(keras.layers.Layer):
     """Concatenates micro-batch outputs (and their masks) along the first
     axis, in order.

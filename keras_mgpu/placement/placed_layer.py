@@ -4,11 +4,17 @@ device, its backward pass included."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import warnings
 from typing import Any
 
-from keras_mgpu._flavour import check_flavour, keras, register_serializable, tf
+from keras_mgpu._flavour import (
+    check_flavour,
+    keras_of,
+    register_serializable,
+    tf,
+)
 from keras_mgpu.placement import micro_batch_groups
 from keras_mgpu.placement.devices import (
     canonical_device,
@@ -16,6 +22,9 @@ from keras_mgpu.placement.devices import (
     device_exists,
     variables_on,
 )
+
+# Placement is Keras 3 only, whatever TF_USE_LEGACY_KERAS says.
+keras = keras_of("keras3")
 
 
 def _get_keras_mask(tensor: Any) -> Any:
@@ -52,7 +61,7 @@ def _differentiable(variable: Any) -> bool:
     )
 
 
-@register_serializable
+@functools.partial(register_serializable, flavour="keras3")
 class PlacedLayer(keras.layers.Layer):
     """Runs a layer on one device: its variables, its forward pass and its
     backward pass.
@@ -105,7 +114,7 @@ class PlacedLayer(keras.layers.Layer):
     """
 
     def __init__(self, layer: Any, device: Any, **kwargs: Any) -> None:
-        check_flavour(layer, "layer")
+        check_flavour(layer, "layer", "keras3")
         if not isinstance(layer, keras.layers.Layer):
             raise TypeError(
                 "Argument `layer` must be a Keras layer. "
@@ -292,7 +301,7 @@ def call_on_device(
     return tf.nest.pack_sequence_as(out_info["structure"], flat_results)
 
 
-@register_serializable
+@functools.partial(register_serializable, flavour="keras3")
 class PlacedOperation(keras.Operation):
     """A bare operation of a functional graph (`x + y`, `ops.concatenate`
     on symbolic tensors) run on one device, its gradient too.

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from keras_mgpu._flavour import keras, register_serializable, tf
+from keras_mgpu._flavour import keras_of, register_serializable, tf
 from keras_mgpu.placement.colocation import (
     colocate_unplaced_ops,
     gradients_stay_on_their_devices,
@@ -12,8 +13,11 @@ from keras_mgpu.placement.colocation import (
 )
 from keras_mgpu.placement.devices import check_strategy
 
+# Placement is Keras 3 only, whatever TF_USE_LEGACY_KERAS says.
+keras = keras_of("keras3")
 
-@register_serializable
+
+@functools.partial(register_serializable, flavour="keras3")
 class PlacedModel(keras.Model):
     """A functional model whose layers run on several devices.
 

@@ -8,11 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from keras_mgpu._flavour import keras, tf
+from keras_mgpu._flavour import keras_of, tf
 from keras_mgpu.placement import _graph
 from keras_mgpu.placement.apply_placement import micro_batches_of
 from keras_mgpu.placement.devices import canonical_device
 from keras_mgpu.placement.placed_layer import PlacedLayer
+
+# Placement is Keras 3 only, whatever TF_USE_LEGACY_KERAS says.
+keras = keras_of("keras3")
 
 MAX_LAYER_NAMES = 4
 

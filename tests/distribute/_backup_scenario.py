@@ -28,3 +28,18 @@ def interrupted_then_resumed(tmp_dir: str, mode: str) -> dict:
         "reference": bodies.uninterrupted(0),
         "backup_left": os.path.exists(backup),
     }
+
+
+def assert_names_the_killed_worker(error: str) -> None:
+    """The survivor's error names worker 1: through WorkerWatchdog's stale
+    heartbeat, or through TensorFlow's own peer health check when one of
+    its rounds (every 30 s) falls between the kill and the watchdog's
+    abort (it did once in CI). The stall test needs the watchdog."""
+    assert "UnavailableError" in error
+    ours = (
+        "WorkerWatchdog" in error
+        and "worker 1 (127.0.0.1:" in error
+        and "no heartbeat" in error
+    )
+    tensorflows = "/job:worker/replica:0/task:1 is down"
+    assert ours or tensorflows in error, error

@@ -147,7 +147,11 @@ def fit_scenarios(task_index: int) -> dict:
 
 
 def _straggler_run(strategy, task_index: int) -> dict:
-    """Worker 1 sleeps 300 ms before each step."""
+    """Worker 1 sleeps 1 s before each of 4 steps per epoch.
+
+    A full second, not less: the sleep must outlast worker 0's own work
+    per step even when the test machine is loaded (a 300 ms sleep was
+    hidden by a loaded worker 0's 330 ms steps once)."""
     import time
 
     import keras
@@ -157,7 +161,7 @@ def _straggler_run(strategy, task_index: int) -> dict:
     class Sleep(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
             if task_index == 1:
-                time.sleep(0.3)
+                time.sleep(1.0)
 
     x, y = _data(128)
     with strategy.scope():
@@ -168,7 +172,7 @@ def _straggler_run(strategy, task_index: int) -> dict:
         history = model.fit(
             x,
             y,
-            batch_size=16,
+            batch_size=32,
             epochs=2,
             verbose=0,
             callbacks=[Sleep(), StragglerMonitor()],

@@ -121,10 +121,10 @@ def test_a_slow_worker_is_flagged_on_every_worker(cluster):
             for name in ("step_ms", "wait_ms", "busy_ms"):
                 assert f"workers/w{worker}_{name}" in logs
         assert logs["workers/slowest"] == 1.0
-        # 300 ms more per step on worker 1; worker 0 waits for it. (The
+        # 1 s more per step on worker 1; worker 0 waits for it. (The
         # step times themselves are equal: the workers move in lockstep.)
-        assert logs["workers/w1_busy_ms"] - logs["workers/w0_busy_ms"] > 150
-        assert logs["workers/w0_wait_ms"] - logs["workers/w1_wait_ms"] > 150
+        assert logs["workers/w1_busy_ms"] - logs["workers/w0_busy_ms"] > 500
+        assert logs["workers/w0_wait_ms"] - logs["workers/w1_wait_ms"] > 500
         assert logs["workers/w0_step_ms"] == pytest.approx(
             logs["workers/w1_step_ms"], rel=0.1
         )

@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 from _training import max_abs_diff
 from distribute import mw_backup_bodies as bodies
-from distribute._backup_scenario import interrupted_then_resumed
+from distribute._backup_scenario import (
+    assert_names_the_killed_worker,
+    interrupted_then_resumed,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +28,7 @@ def test_survivor_fails_in_bounded_time_naming_the_dead_worker(killed):
     dead, survivor = killed["first"][1], killed["first"][0]
     assert dead is None  # SIGKILLed
     assert "UnavailableError" in survivor["error"]
-    assert "WorkerWatchdog" in survivor["error"]
-    assert "worker 1 (127.0.0.1:" in survivor["error"]
-    assert "no heartbeat" in survivor["error"]
+    assert_names_the_killed_worker(survivor["error"])
     # Detected through stale heartbeats, well before the step timeout.
     assert survivor["failed_after"] < bodies.WATCHDOG_TIMEOUT + 2
 
