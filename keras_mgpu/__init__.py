@@ -28,6 +28,7 @@ _EXPORTS = {
     "apply_recompute": "keras_mgpu.layers",
     "global_batch_size": "keras_mgpu.distribute",
     "num_replicas_in_sync": "keras_mgpu.distribute",
+    "recomputed_layers": "keras_mgpu.layers",
     "scaled_learning_rate": "keras_mgpu.schedules",
     "strip_recompute": "keras_mgpu.layers",
 }
@@ -59,6 +60,7 @@ if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
     from keras_mgpu.layers import (
         RecomputeGrad,  # noqa: F401
         apply_recompute,  # noqa: F401
+        recomputed_layers,  # noqa: F401
         strip_recompute,  # noqa: F401
     )
     from keras_mgpu.optimizers import GradientAccumulationOptimizer  # noqa: F401
