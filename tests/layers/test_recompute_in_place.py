@@ -347,9 +347,16 @@ def test_fit_matches_plain(option):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
 
 
-def test_distributed_gradients_match_plain(strategy, strategy_name):
-    # CentralStorage: Keras itself fails with Dropout there (see
-    # test_recompute_grad.py); use deterministic blocks.
+@pytest.mark.parametrize(
+    "strategy_name", ["default", "mirrored_2", "central_storage"]
+)
+def test_distributed_gradients_match_plain(strategy_name):
+    # The same engine as RecomputeGrad, tested on the whole strategy matrix
+    # in test_recompute_grad.py. CentralStorage: Keras itself fails with
+    # Dropout there; use deterministic blocks.
+    from conftest import make_strategy
+
+    strategy = make_strategy(strategy_name)
     stochastic = strategy_name != "central_storage"
     with strategy.scope():
         plain, model = user_model(stochastic), user_model(stochastic)

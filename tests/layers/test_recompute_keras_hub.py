@@ -108,10 +108,8 @@ def test_gpt2_sqrt_policy_on_the_decoder_stack():
         ["transformer_layer_0", "transformer_layer_1"],
         ["transformer_layer_2", "transformer_layer_3"],
     ]
-    for compiled in (False, True):
-        assert_identical(
-            step(lm, GPT_X, compiled), step(plain, GPT_X, compiled)
-        )
+    # Eager here; in graph mode under Mirrored in the fit test below.
+    assert_identical(step(lm, GPT_X), step(plain, GPT_X))
     # Generation runs the decoders with a cache (float) and an index (int).
     ids = tf.constant(GPT_X["token_ids"][:2])
     for model in (lm, plain):
