@@ -59,8 +59,18 @@ def _sizes(args: argparse.Namespace) -> dict:
     )
 
 
+def _keras_hub():
+    try:
+        import keras_hub
+    except ImportError as exc:  # pragma: no cover - depends on install
+        raise ImportError(
+            'This benchmark needs keras-hub: pip install "keras-mgpu[hub]"'
+        ) from exc
+    return keras_hub
+
+
 def _encoder(args: argparse.Namespace):
-    import keras_hub
+    keras_hub = _keras_hub()
 
     from keras_mgpu._flavour import keras
 
@@ -73,18 +83,18 @@ def _encoder(args: argparse.Namespace):
     outputs = keras.layers.Dense(2, name="head")(pooled)
     model = keras.Model(inputs, outputs, name="classifier")
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    return model, loss, keras_hub.layers.TransformerEncoder
+    return model, backbone, loss, keras_hub.layers.TransformerEncoder
 
 
 def _decoder(args: argparse.Namespace):
-    import keras_hub
+    keras_hub = _keras_hub()
 
     from keras_mgpu._flavour import keras
 
     backbone = keras_hub.models.GPT2Backbone(**_sizes(args))
     model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    return model, loss, keras_hub.layers.TransformerDecoder
+    return model, backbone, loss, keras_hub.layers.TransformerDecoder
 
 
 def build(kind: str, case: str, args: argparse.Namespace):
@@ -95,7 +105,8 @@ def build(kind: str, case: str, args: argparse.Namespace):
     from keras_mgpu.layers import apply_recompute, recomputed_layers
 
     keras.utils.set_random_seed(0)
-    model, loss, block = (_encoder if kind == "encoder" else _decoder)(args)
+    maker = _encoder if kind == "encoder" else _decoder
+    model, backbone, loss, block = maker(args)
     if case != "none":
         policy = "sqrt" if case == "sqrt" else "per_layer"
         apply_recompute(model, block, policy=policy, in_place=True)
@@ -111,7 +122,8 @@ def build(kind: str, case: str, args: argparse.Namespace):
         y = rng.integers(0, 2, (args.batch,)).astype("int32")
     else:
         y = rng.integers(1, args.vocab, shape).astype("int32")
-    return model, x, y, len(recomputed_layers(model)), type(model).__name__
+    classes = f"{type(model).__name__}({type(backbone).__name__})"
+    return model, x, y, len(recomputed_layers(model)), classes
 
 
 def _step(model, x, y) -> None:
@@ -142,7 +154,7 @@ def memory_child(args: argparse.Namespace) -> dict:
         peak = tf.config.experimental.get_memory_info(device)["peak"] - before
     return {
         "device": device,
-        "model_class": cls,
+        "classes": cls,
         "recomputed_layers": recomputed,
         "step_peak_mib": None if peak is None else round(peak / 2**20, 1),
     }
