@@ -105,7 +105,8 @@ def _run_recomputed(layer: Any, class_call: Any, args, kwargs) -> Any:
 
 
 def _recomputed_call(class_call: Any) -> Any:
-    @functools.wraps(class_call)  # keeps the signature Keras inspects
+    # `wraps`: `inspect.signature(layer.call)` stays the class's.
+    @functools.wraps(class_call)
     def call(self, *args, **kwargs):
         return _run_recomputed(self, class_call, args, kwargs)
 
@@ -123,8 +124,9 @@ def recompute_layer_in_place(layer: Any) -> None:
             "replaced on the instance by other code; recomputing it in place "
             "would hide that replacement. Choose its sublayers instead."
         )
-    # A bound method (not a closure): `copy.deepcopy` of the model binds the
-    # copy's `call` to the copied layer.
+    # A bound method, like the class's `call` it stands for. (Copies of the
+    # model made through its config, `clone_model` and Keras 3's
+    # `copy.deepcopy`, are plain.)
     method = types.MethodType(_recomputed_call(type(layer).call), layer)
     object.__setattr__(layer, "call", method)
 
@@ -270,9 +272,11 @@ def restore_graph(graph: Any) -> list:
     return members
 
 
-def segment_plan(graph: Any) -> list[list]:
-    """The layers of each recomputed segment of `graph` (empty if none)."""
-    plan = graph.__dict__.get(_PLAN, {})
+def segment_plan(model: Any) -> list[list]:
+    """The layers of each recomputed segment of the functional graph that
+    runs `model`'s own layers (empty if none)."""
+    graph = graph_of(model)
+    plan = {} if graph is None else graph.__dict__.get(_PLAN, {})
     return [[node.operation for node in nodes] for nodes, _ in plan.values()]
 
 

@@ -275,6 +275,25 @@ def test_sqrt_segments_of_a_stack_with_side_inputs():
     assert "_run_through_graph" not in model.__dict__
 
 
+def test_sqrt_segments_of_a_sequential_stack():
+    def stack():
+        keras.utils.set_random_seed(4)
+        return keras.Sequential(
+            [keras.Input((6,))]
+            + [make_block(f"block_{i}") for i in range(4)]
+            + [keras.layers.Dense(1)]
+        )
+
+    plain, model = stack(), stack()
+    apply_recompute(model, keras.Sequential, policy="sqrt", in_place=True)
+    assert type(model) is keras.Sequential
+    assert [[layer.name for layer in s] for s in segment_plan(model)] == [
+        ["block_0", "block_1"],
+        ["block_2", "block_3"],
+    ]
+    assert_identical(step(model, compiled=True), step(plain, compiled=True))
+
+
 def flat_residual() -> keras.Model:
     """A flat functional model of residual blocks (keras.applications
     style), whose block b1 also feeds the output from its middle."""
