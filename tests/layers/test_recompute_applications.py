@@ -88,19 +88,17 @@ def test_per_block_recompute_is_bit_identical(name):
 
 
 @pytest.mark.slow
-def test_mobilenet_per_block_fits_under_mirrored():
-    from conftest import make_strategy
-
-    strategy = make_strategy("mirrored_2")
-    with strategy.scope():
-        model = build("mobilenet_v2")
-        apply_recompute(model, in_place=True, group_by=mobilenet_block)
-        model.compile(
-            keras.optimizers.SGD(0.01),
-            loss=keras.losses.SparseCategoricalCrossentropy(),
-        )
+def test_mobilenet_per_block_fits():
+    # Segments under MirroredStrategy: the GPT-2 fit in
+    # test_recompute_keras_hub.py.
+    model = build("mobilenet_v2")
+    apply_recompute(model, in_place=True, group_by=mobilenet_block)
+    model.compile(
+        keras.optimizers.SGD(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(),
+    )
     before = [v.numpy() for v in model.trainable_variables]
-    history = model.fit(IMAGES, LABELS, batch_size=4, epochs=1, verbose=0)
+    history = model.fit(IMAGES, LABELS, batch_size=2, epochs=1, verbose=0)
     assert np.all(np.isfinite(history.history["loss"]))
     moved = [
         not np.array_equal(a, v.numpy())
