@@ -1,5 +1,6 @@
 """The `keras-mgpu demo` training recipe: a small CNN on scikit-learn's 8x8
-digits under `MirroredStrategy`, with every keras_mgpu component on.
+digits under `MirroredStrategy` (or, with `model_parallel`, split across
+the devices by `apply_placement`), with every keras_mgpu component on.
 
 Kept apart from the command line (`keras_mgpu.cli`) so that the recipe reads
 as one example of using the pack: gradient accumulation
@@ -41,6 +42,10 @@ class DemoConfig:
     output_dir: str
     epochs: int = 10
     batch_size: int = 32  # per replica, per micro-step
+    # When set, batch_size and accumulation_steps come from the memory
+    # search (`keras_mgpu.configure_batch`).
+    global_batch_size: int | None = None
+    memory_budget_mb: float | None = None
     accumulation_steps: int = 2
     accumulation: bool = True
     warmup: bool = True
@@ -50,6 +55,10 @@ class DemoConfig:
     recompute: bool = True
     seed: int = 0
     progress: bool = True
+    # Split the model across the devices (apply_placement) instead of
+    # mirroring it; micro_batches > 1 pipelines it.
+    model_parallel: bool = False
+    micro_batches: int = 1
 
 
 def configure_devices(
@@ -304,40 +313,38 @@ def _peak_memory(history: dict, kind: str, devices: list) -> list:
     return rows
 
 
-def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
-    """Train the demo model and write its CSV log, PNG report and summary.
+def _default_device_info() -> dict:
+    kind = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
+    devices = [d.name for d in tf.config.list_logical_devices(kind)]
+    return {"kind": kind, "devices": devices, "gpu_names": []}
 
-    Call `configure_devices` first (or pass its result as `device_info`).
-    Returns the summary dict that is also written to `summary.json`.
-    """
-    from keras_mgpu import GradientAccumulationOptimizer
-    from keras_mgpu import callbacks as mgpu_callbacks
-    from keras_mgpu.distribute import global_batch_size
-    from keras_mgpu.report import plot_training_report
-    from keras_mgpu.schedules import scaled_learning_rate
 
-    start = time.perf_counter()
-    if device_info is None:
-        device_info = {
-            "kind": "GPU" if tf.config.list_logical_devices("GPU") else "CPU",
-            "gpu_names": [],
-        }
-        device_info["devices"] = [
-            d.name for d in tf.config.list_logical_devices(device_info["kind"])
-        ]
-    os.makedirs(config.output_dir, exist_ok=True)
-    csv_path = os.path.join(config.output_dir, "history.csv")
-    steps_path = os.path.join(config.output_dir, "history_steps.csv")
-    png_path = os.path.join(config.output_dir, "report.png")
-    summary_path = os.path.join(config.output_dir, "summary.json")
+@dataclasses.dataclass
+class _Paths:
+    """Where one demo run writes its files."""
 
-    keras.utils.set_random_seed(config.seed)
-    x_train, y_train, x_test, y_test = load_digits_split(config.seed)
+    csv: str
+    steps: str
+    png: str
+    summary: str
 
-    strategy = tf.distribute.MirroredStrategy(devices=device_info["devices"])
-    replicas = strategy.num_replicas_in_sync
-    steps = config.accumulation_steps if config.accumulation else 1
-    step_batch = config.batch_size * replicas  # one micro-step, all replicas
+    @classmethod
+    def under(cls, output_dir: str) -> _Paths:
+        os.makedirs(output_dir, exist_ok=True)
+        return cls(
+            csv=os.path.join(output_dir, "history.csv"),
+            steps=os.path.join(output_dir, "history_steps.csv"),
+            png=os.path.join(output_dir, "report.png"),
+            summary=os.path.join(output_dir, "summary.json"),
+        )
+
+
+def _datasets(
+    config: DemoConfig, replicas: int, data: tuple
+) -> tuple[Any, Any, int]:
+    """(train, test, steps per epoch): one micro-step of every replica."""
+    x_train, y_train, x_test, y_test = data
+    step_batch = config.batch_size * replicas
     steps_per_epoch = len(x_train) // step_batch
     if steps_per_epoch < 1:
         raise ValueError(
@@ -356,9 +363,22 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
     test = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(
         step_batch
     )
+    return train, test, steps_per_epoch
 
+
+def _compiled_model(config: DemoConfig, strategy: Any) -> tuple[Any, int]:
+    """The compiled demo model and the examples each update averages."""
+    from keras_mgpu import GradientAccumulationOptimizer
+    from keras_mgpu.distribute import global_batch_size
+
+    steps = config.accumulation_steps if config.accumulation else 1
     with strategy.scope():
         model = build_model(recompute=config.recompute)
+        if config.model_parallel:
+            from keras_mgpu.placement import apply_placement
+
+            # The devices configure_devices left visible, one stage each.
+            model = apply_placement(model, micro_batches=config.micro_batches)
         optimizer = keras.optimizers.Adam(BASE_LEARNING_RATE)
         if config.accumulation:
             optimizer = GradientAccumulationOptimizer(optimizer, steps)
@@ -370,6 +390,67 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
         examples_per_update = global_batch_size(
             config.batch_size, strategy, accumulation_steps=steps
         )
+    return model, examples_per_update
+
+
+def _batch_by_memory(
+    config: DemoConfig, strategy: Any, data: tuple
+) -> tuple[DemoConfig, dict]:
+    """`config` with the per-replica batch and accumulation steps that
+    reach `config.global_batch_size` with the largest micro-batch that
+    fits (`configure_batch`, which prints why), and what it found."""
+    from keras_mgpu import configure_batch
+
+    x_train, y_train = data[0], data[1]
+    replicas = strategy.num_replicas_in_sync
+    if config.global_batch_size > len(x_train):
+        raise ValueError(
+            f"--global-batch {config.global_batch_size} is larger than the "
+            f"{len(x_train)} training images: use at most {len(x_train)}"
+        )
+    plain = dataclasses.replace(config, accumulation=False)
+    model, _ = _compiled_model(plain, strategy)
+    setup = configure_batch(
+        model,
+        (x_train, y_train),
+        config.global_batch_size,
+        base_batch_size=BASE_BATCH_SIZE if config.scaling else None,
+        memory_budget_mb=config.memory_budget_mb,
+        # One step of every replica must fit in the training set.
+        max_batch_size=len(x_train) // replicas,
+        strategy=strategy,
+        verbose=int(config.progress),
+    )
+    # The probe model drew initial weights: the trained one starts from
+    # the same ones as without the search.
+    keras.utils.set_random_seed(config.seed)
+    steps = setup.accumulation_steps
+    search = setup.search
+    found = {
+        "largest_batch_size": search.batch_size,
+        "peak_mb": search.peak_mb,
+        "measured_peak_mb": search.measured_peak_mb,
+        "budget_mb": search.budget_mb,
+        "budget_source": search.budget_source,
+        "fixed_mb": search.fixed_mb,
+        "per_sample_mb": search.per_sample_mb,
+        "search_seconds": search.search_seconds,
+        "explanation": setup.explanation,
+    }
+    return (
+        dataclasses.replace(
+            config,
+            batch_size=setup.per_replica_batch_size,
+            accumulation=steps > 1,
+            accumulation_steps=steps,
+        ),
+        found,
+    )
+
+
+def _callbacks(config: DemoConfig, paths: _Paths, steps_per_epoch: int) -> list:
+    """The demo's callbacks, in the order the README recommends."""
+    from keras_mgpu import callbacks as mgpu_callbacks
 
     callbacks: list = []
     if config.scaling:
@@ -388,25 +469,27 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
             )
         )
     callbacks.append(_LogLearningRate())
-    callbacks.append(StepLogger(steps_path, steps_per_epoch))
+    callbacks.append(StepLogger(paths.steps, steps_per_epoch))
     if config.monitors:
         callbacks.append(mgpu_callbacks.MemoryMonitor())
         callbacks.append(mgpu_callbacks.GPULoadMonitor(interval=0.25))
     if config.progress:
         callbacks.append(ProgressBar(config.epochs, steps_per_epoch))
     # Last: it writes the logs the callbacks above added.
-    callbacks.append(keras.callbacks.CSVLogger(csv_path))
+    callbacks.append(keras.callbacks.CSVLogger(paths.csv))
+    return callbacks
 
+
+def _fit_collecting_notes(model: Any, fit_kwargs: dict) -> tuple:
+    """`model.fit(**fit_kwargs)`; returns (history, seconds, monitor notes).
+
+    The monitors' warnings (no NVML, CPU-only figures) become one-line
+    notes under the summary instead of tracebacks in the middle of it.
+    """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train_start = time.perf_counter()
-        history = model.fit(
-            train,
-            epochs=config.epochs,
-            validation_data=test,
-            callbacks=callbacks,
-            verbose=0,
-        )
+        history = model.fit(**fit_kwargs)
         train_seconds = time.perf_counter() - train_start
     notes = []
     for warning in caught:
@@ -414,24 +497,42 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
             text = str(warning.message).split(". ")[0].rstrip(".") + "."
             if text not in notes:
                 notes.append(text)
+    return history, train_seconds, notes
 
-    logs = history.history
-    final_accuracy = float(logs["val_accuracy"][-1])
+
+def _summary(
+    config: DemoConfig,
+    device_info: dict,
+    run: dict,
+    paths: _Paths,
+) -> dict:
+    """The summary dict of a finished run (`run`: what `run_demo` saw)."""
+    from keras_mgpu.schedules import scaled_learning_rate
+
+    logs = run["logs"]
     scaled_lr = (
         scaled_learning_rate(
-            BASE_LEARNING_RATE, examples_per_update, BASE_BATCH_SIZE
+            BASE_LEARNING_RATE, run["examples_per_update"], BASE_BATCH_SIZE
         )
         if config.scaling
         else BASE_LEARNING_RATE
     )
-    summary = {
+    peak_memory = [
+        {"device": d, "peak_mb": None if math.isnan(p) else p, "what": w}
+        for d, p, w in _peak_memory(
+            logs, device_info["kind"], device_info["devices"]
+        )
+    ]
+    return {
         "device_kind": device_info["kind"],
         "devices": device_info["devices"],
         "gpu_names": device_info.get("gpu_names", []),
-        "replicas": replicas,
+        "replicas": run["replicas"],
         "per_replica_batch_size": config.batch_size,
-        "accumulation_steps": steps,
-        "global_batch_size": examples_per_update,
+        "accumulation_steps": (
+            config.accumulation_steps if config.accumulation else 1
+        ),
+        "global_batch_size": run["examples_per_update"],
         "base_learning_rate": BASE_LEARNING_RATE,
         "base_batch_size": BASE_BATCH_SIZE,
         "learning_rate": scaled_lr,
@@ -441,45 +542,154 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
         "recompute": config.recompute,
         "monitors": config.monitors,
         "epochs": config.epochs,
-        "updates": int(model.optimizer.iterations.numpy()),
-        "final_accuracy": final_accuracy,
-        "test_images": len(x_test),
+        "updates": run["updates"],
+        "final_accuracy": float(logs["val_accuracy"][-1]),
+        "test_images": run["test_images"],
         "final_train_accuracy": float(logs["accuracy"][-1]),
         "final_loss": float(logs["val_loss"][-1]),
-        "peak_memory": [
-            {"device": d, "peak_mb": None if math.isnan(p) else p, "what": w}
-            for d, p, w in _peak_memory(
-                logs, device_info["kind"], device_info["devices"]
-            )
-        ]
-        if config.monitors
-        else [],
-        "train_seconds": train_seconds,
+        "peak_memory": peak_memory if config.monitors else [],
+        "train_seconds": run["train_seconds"],
         "seed": config.seed,
-        "csv": os.path.abspath(csv_path),
-        "steps_csv": os.path.abspath(steps_path),
-        "report": os.path.abspath(png_path),
-        "notes": notes,
+        "csv": os.path.abspath(paths.csv),
+        "steps_csv": os.path.abspath(paths.steps),
+        "report": os.path.abspath(paths.png),
+        "notes": run["notes"],
+        "batch_by_memory": run.get("batch_by_memory"),
     }
+
+
+def _placement_summary(config: DemoConfig, model: Any) -> dict:
+    """Where the model-parallel demo put its stages (placement_report)."""
+    from keras_mgpu.placement import placement_report
+
+    return {
+        "model_parallel": True,
+        "micro_batches": config.micro_batches,
+        "placement": placement_report(model, print_fn=None),
+    }
+
+
+def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
+    """Train the demo model and write its CSV log, PNG report and summary.
+
+    Call `configure_devices` first (or pass its result as `device_info`).
+    Returns the summary dict that is also written to `summary.json`.
+    """
+    from keras_mgpu.report import plot_training_report
+
+    start = time.perf_counter()
+    device_info = device_info or _default_device_info()
+    paths = _Paths.under(config.output_dir)
+    keras.utils.set_random_seed(config.seed)
+    data = load_digits_split(config.seed)
+
+    strategy = (
+        tf.distribute.get_strategy()  # one replica spanning the devices
+        if config.model_parallel
+        else tf.distribute.MirroredStrategy(devices=device_info["devices"])
+    )
+    replicas = strategy.num_replicas_in_sync
+    batch_by_memory = None
+    if config.global_batch_size is not None:
+        config, batch_by_memory = _batch_by_memory(config, strategy, data)
+    train, test, steps_per_epoch = _datasets(config, replicas, data)
+    model, examples_per_update = _compiled_model(config, strategy)
+    history, train_seconds, notes = _fit_collecting_notes(
+        model,
+        dict(
+            x=train,
+            epochs=config.epochs,
+            validation_data=test,
+            callbacks=_callbacks(config, paths, steps_per_epoch),
+            verbose=0,
+        ),
+    )
+    run = {
+        "logs": history.history,
+        "replicas": replicas,
+        "examples_per_update": examples_per_update,
+        "updates": int(model.optimizer.iterations.numpy()),
+        "test_images": len(data[2]),
+        "train_seconds": train_seconds,
+        "notes": notes,
+        "batch_by_memory": batch_by_memory,
+    }
+    summary = _summary(config, device_info, run, paths)
+    if config.model_parallel:
+        summary.update(_placement_summary(config, model))
     plot_training_report(
-        csv_path, png_path, steps=steps_path, title=_report_title(summary)
+        paths.csv, paths.png, steps=paths.steps, title=_report_title(summary)
     )
     summary["demo_seconds"] = time.perf_counter() - start
-    with open(summary_path, "w") as f:
+    with open(paths.summary, "w") as f:
         json.dump(summary, f, indent=2)
     return summary
 
 
 def _report_title(summary: dict) -> str:
+    if summary.get("model_parallel"):
+        where = (
+            f"{len(_stages(summary))} x {summary['device_kind']} "
+            "(model parallel)"
+        )
+    else:
+        where = (
+            f"{summary['replicas']} x {summary['device_kind']} "
+            "(MirroredStrategy)"
+        )
     parts = [
-        f"keras-mgpu demo: digits CNN, {summary['replicas']} x "
-        f"{summary['device_kind']} (MirroredStrategy)",
+        f"keras-mgpu demo: digits CNN, {where}",
         f"global batch {summary['global_batch_size']} = "
         f"{summary['per_replica_batch_size']} x {summary['replicas']} x "
         f"{summary['accumulation_steps']} accumulation",
         f"final accuracy {summary['final_accuracy']:.3f}",
     ]
     return "  |  ".join(parts)
+
+
+def _batch_by_memory_rows(found: dict | None) -> list:
+    if not found:
+        return []
+    return [
+        (
+            "batch by memory",
+            f"largest micro-batch {found['largest_batch_size']:,} "
+            f"(measured peak {found['measured_peak_mb']:,.1f} MB of a "
+            f"{found['budget_mb']:,.1f} MB budget; search "
+            f"{found['search_seconds']:.1f} s)",
+        )
+    ]
+
+
+def _stages(summary: dict) -> list:
+    """The placement rows that hold a stage (not only optimizer counters)."""
+    return [row for row in summary["placement"] if row["stage"] is not None]
+
+
+def _model_parallel_devices(summary: dict) -> str:
+    stages = len(_stages(summary))
+    kind = "GPU" if summary["device_kind"] == "GPU" else "logical CPU device"
+    pipelining = (
+        f", {summary['micro_batches']} micro-batches per step"
+        if summary["micro_batches"] > 1
+        else ""
+    )
+    return f"model split into {stages} stages on {stages} x {kind}{pipelining}"
+
+
+def _placement_rows(summary: dict) -> list:
+    """One row per stage: device, layers, parameters (model parallel)."""
+    rows = []
+    for index, stage in enumerate(_stages(summary)):
+        device = stage["device"].replace("/device:", "")
+        rows.append(
+            (
+                "placement" if index == 0 else "",
+                f"{device}: {', '.join(stage['layers'])} "
+                f"({stage['params']:,} params)",
+            )
+        )
+    return rows
 
 
 def format_summary(summary: dict, total_seconds: float | None = None) -> str:
@@ -521,9 +731,14 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
         f"{summary['final_accuracy']:.4f} on {summary['test_images']} "
         f"held-out digits (train {summary['final_train_accuracy']:.4f})"
     )
+    if summary.get("model_parallel"):
+        devices = _model_parallel_devices(summary)
+    else:
+        devices += " under MirroredStrategy"
     rows = [
-        ("devices", devices + " under MirroredStrategy"),
+        ("devices", devices),
         ("global batch", batch),
+        *_batch_by_memory_rows(summary.get("batch_by_memory")),
         ("accumulation", accumulation),
         ("scaled learning rate", lr),
         ("warmup", warmup),
@@ -531,6 +746,8 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
         ("updates", f"{summary['updates']} in {summary['epochs']} epochs"),
         ("final accuracy", accuracy),
     ]
+    if summary.get("model_parallel"):
+        rows += _placement_rows(summary)
     if summary["peak_memory"]:
         for index, row in enumerate(summary["peak_memory"]):
             peak = row["peak_mb"]

@@ -64,6 +64,7 @@ def _run_children(
     envs: list[dict[str, str]],
     timeout: float,
     args: tuple = (),
+    may_die: tuple[int, ...] = (),
 ) -> list[Any]:
     workdir = tempfile.mkdtemp(prefix="keras_mgpu_proc_")
     procs: list[subprocess.Popen] = []
@@ -101,7 +102,11 @@ def _run_children(
                     f"{target} did not finish within {timeout:.0f}s"
                     + _tails(logs)
                 ) from exc
-        failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+        failed = [
+            i
+            for i, p in enumerate(procs)
+            if p.returncode != 0 and i not in may_die
+        ]
         if failed:
             raise ProcessFailure(
                 f"{target}: process(es) {failed} exited with "
@@ -110,6 +115,9 @@ def _run_children(
         results = []
         for index in range(len(envs)):
             path = os.path.join(workdir, f"result_{index}.json")
+            if index in may_die and procs[index].returncode != 0:
+                results.append(None)
+                continue
             if not os.path.exists(path):
                 raise ProcessFailure(
                     f"{target}: process {index} wrote no result" + _tails(logs)
@@ -145,8 +153,13 @@ def run_workers(
     timeout: float = 180.0,
     args: tuple = (),
     env: dict[str, str] | None = None,
+    may_die: tuple[int, ...] = (),
 ) -> list[Any]:
-    """Run `target` in `num_workers` MultiWorkerMirrored worker processes."""
+    """Run `target` in `num_workers` MultiWorkerMirrored worker processes.
+
+    Workers listed in `may_die` may exit abnormally (a test kills them):
+    their result is then None instead of a failure.
+    """
     ports = free_ports(num_workers)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     envs = []
@@ -158,7 +171,7 @@ def run_workers(
         envs.append(
             _child_env({**(env or {}), "TF_CONFIG": json.dumps(tf_config)})
         )
-    return _run_children(target, envs, timeout, args)
+    return _run_children(target, envs, timeout, args, may_die)
 
 
 def run_in_process(

@@ -32,7 +32,7 @@ def gather_worker_figures(
     differ, found by a first, fixed-size reduction of each worker's key
     count and key-set checksum.
     """
-    from keras_mgpu._flavour import tf
+    from keras_mgpu.distribute.collectives import sum_over_workers
 
     names = []
     for key in sorted(figures):
@@ -48,39 +48,19 @@ def gather_worker_figures(
     # equal num_workers times ours only if every worker's header is ours.
     header = np.zeros((num_workers, 2), dtype=np.float64)
     header[task_id] = [len(names), zlib.crc32(repr(names).encode())]
-    headers = _sum_over_workers(tf, strategy, header)
+    headers = sum_over_workers(strategy, header)
     if not np.array_equal(headers.sum(axis=0), num_workers * header[task_id]):
         raise KeysDiffer(
             "the workers log different figures (different devices?)"
         )
     matrix = np.zeros((num_workers, len(names)), dtype=np.float64)
     matrix[task_id] = [figures[f"{g}/w{task_id}_{n}"] for g, n in names]
-    total = _sum_over_workers(tf, strategy, matrix)
+    total = sum_over_workers(strategy, matrix)
     gathered = {}
     for worker in range(num_workers):
         for column, (group, name) in enumerate(names):
             gathered[f"{group}/w{worker}_{name}"] = float(total[worker, column])
     return gathered
-
-
-def _sum_over_workers(tf: Any, strategy: Any, matrix: np.ndarray) -> np.ndarray:
-    """SUM of `matrix` over workers (not over each worker's local replicas)."""
-    local = strategy.extended.worker_devices
-    value = tf.constant(matrix)
-    zeros = tf.zeros_like(value)
-
-    def per_replica(context):
-        # One replica per worker contributes, so the sum counts each
-        # worker once, however many devices it has.
-        first = context.replica_id_in_sync_group % len(local) == 0
-        return value if first else zeros
-
-    distributed = strategy.experimental_distribute_values_from_function(
-        per_replica
-    )
-    return np.asarray(
-        strategy.reduce(tf.distribute.ReduceOp.SUM, distributed, axis=None)
-    )
 
 
 class WorkerGathering:

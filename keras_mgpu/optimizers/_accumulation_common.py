@@ -5,15 +5,18 @@ The two flavours' optimizer base classes differ (Keras 3 `apply` and
 accumulation protocol under `tf.distribute` is one: count the micro-step,
 decide in cross-replica context whether the window is complete, and re-enter
 the replicas to hand the mean gradient to the inner optimizer once. That
-protocol, the counters and the argument checks live here; each flavour module
-supplies `_decide`, `_apply_to_inner` and `_reset`.
+protocol, the counters, the argument checks, the sparse-gradient helpers and
+the optimizer API both flavours pass through to the inner optimizer live here;
+each flavour module supplies `_decide`, `_apply_to_inner` and `_reset`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-from keras_mgpu._flavour import keras, tf
+import numpy as np
+
+from keras_mgpu._flavour import flavour_of, keras_of, tf
 from keras_mgpu._validation import check_bool
 
 # Base-optimizer arguments both flavours' wrappers refuse: they belong on the
@@ -30,10 +33,101 @@ INNER_ONLY_ARGUMENTS = (
 )
 
 
+# How a micro-step's gradient for one variable is accumulated, and what the
+# inner optimizer receives at the end of the window.
+DENSE = "dense"  # summed; the inner gets the mean as a dense tensor
+SPARSE = "sparse"  # summed; the inner gets the touched rows' mean (slices)
+MAXIMUM = "maximum"  # `overwrite_with_gradient`: the window's maximum
+
+
+class AccumulatorSlot(NamedTuple):
+    """One trainable variable, its accumulator and how it accumulates."""
+
+    variable: Any
+    accumulator: Any
+    kind: str
+
+
 def all_finite(tensors: list) -> tf.Tensor:
     """A scalar bool: every element of every tensor is finite."""
-    flags = [tf.reduce_all(tf.math.is_finite(t)) for t in tensors]
+    flags = [
+        tf.reduce_all(tf.math.is_finite(_values(t)))
+        for t in tensors
+        if t is not None
+    ]
     return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+
+def _values(tensor: Any) -> Any:
+    return tensor.values if isinstance(tensor, tf.IndexedSlices) else tensor
+
+
+def variable_name(variable: Any) -> str:
+    """A Keras variable's `path`, or a raw `tf.Variable`'s name."""
+    path = getattr(variable, "path", None)
+    return path if path is not None else variable.name.split(":")[0]
+
+
+def overwrites_with_gradient(variable: Any) -> bool:
+    """Whether Keras overwrites `variable` with its gradient (float8 scales
+    and amax histories) instead of applying an update."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
+
+
+def scatter_add_locally(variable: tf.Variable, slices: tf.IndexedSlices):
+    """Add `slices` to `variable` in replica context, touching only its rows.
+
+    TensorFlow (2.16-2.21) refuses `scatter_add` on an `ON_READ` variable
+    ("doesn't support `scatter_add`") although it allows `assign_add`, which
+    updates this replica's own copy. Its private
+    `_get_on_device_or_primary()` returns that copy, on which the scatter is
+    the same local write. Variables that are not per-replica (no strategy,
+    CentralStorageStrategy's aggregating variable) take the scatter directly.
+    """
+    if isinstance(variable, tf.distribute.DistributedValues):
+        variable = variable._get_on_device_or_primary()
+    return variable.scatter_add(slices)
+
+
+def touched_rows(total: tf.Tensor, divisor: Any) -> tf.IndexedSlices:
+    """The rows of an accumulated sparse gradient that received any gradient,
+    divided by `divisor`, as `tf.IndexedSlices` with unique indices.
+
+    A row counts as touched when any element is non-zero (NaN included, so
+    a non-finite window stays visible). A touched row whose contributions
+    cancel to exactly zero is left out; every optimizer whose sparse update
+    equals its dense one (what Keras's `optimizer_sparse_test` checks) treats
+    a zero row and a missing row alike.
+    """
+    axes = list(range(1, total.shape.rank))
+    touched = tf.not_equal(total, tf.zeros_like(total))
+    if axes:
+        touched = tf.reduce_any(touched, axis=axes)
+    rows = tf.where(touched)[:, 0]
+    return tf.IndexedSlices(
+        tf.gather(total, rows) / divisor,
+        rows,
+        dense_shape=tf.shape(total, out_type=tf.int64),
+    )
+
+
+def deduplicate_rows(slices: tf.IndexedSlices) -> tf.IndexedSlices:
+    """Sum the values of repeated indices (an all-reduce of slices from
+    several replicas concatenates them), so norms are the dense gradient's."""
+    unique, positions = tf.unique(slices.indices)
+    values = tf.math.unsorted_segment_sum(
+        slices.values, positions, tf.shape(unique)[0]
+    )
+    return tf.IndexedSlices(values, unique, slices.dense_shape)
+
+
+def divide_gradient(gradient: Any, divisor: Any) -> Any:
+    """`gradient / divisor` for a dense tensor or `tf.IndexedSlices`."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            gradient.values / divisor, gradient.indices, gradient.dense_shape
+        )
+    return gradient / divisor
 
 
 def reject_wrapper_arguments(kwargs: dict, inner_only: tuple) -> None:
@@ -86,7 +180,8 @@ def check_momentum_correction(
     if not momentum_correction:
         return False
     momentum = getattr(inner_optimizer, "momentum", 0.0)
-    if not isinstance(inner_optimizer, keras.optimizers.SGD) or not momentum:
+    sgd = keras_of(flavour_of(inner_optimizer)).optimizers.SGD
+    if not isinstance(inner_optimizer, sgd) or not momentum:
         raise ValueError(
             "Argument `momentum_correction=True` needs an SGD inner optimizer "
             "with momentum > 0: Keras's SGD keeps the learning rate inside "
@@ -103,19 +198,70 @@ def check_momentum_correction(
     return True
 
 
+def _inner_setting(name: str) -> property:
+    """A base-optimizer setting read from (and written to) the inner
+    optimizer, which applies it once per update.
+
+    The base class's `__init__` assigns the wrapper's own (unset) value
+    before `inner_optimizer` exists; that assignment is dropped.
+    """
+
+    def getter(self) -> Any:
+        inner = self.__dict__.get("inner_optimizer")
+        return None if inner is None else getattr(inner, name)
+
+    def setter(self, value: Any) -> None:
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is not None:
+            setattr(inner, name, value)
+
+    return property(getter, setter, doc=f"The inner optimizer's `{name}`.")
+
+
 class AccumulationProtocol:
     """Mixin: counters, pass-throughs and the per-micro-step protocol.
 
     The flavour class must set `inner_optimizer`, `accumulation_steps`,
     `_iterations` (micro-steps), `_pending_steps`, `_skipped_updates`,
-    `_accumulators`, and implement, in replica context:
-    - `_decide(accumulators) -> (finite, grads)`: whether the window's mean
-      gradient is finite on every replica (identical everywhere), and this
-      replica's share of the mean gradient for the inner optimizer;
-    - `_apply_to_inner(grads, variables, accumulators)`: one inner update,
-      then empty the accumulators;
-    - `_reset(accumulators)`: empty the accumulators.
+    `_accumulators`, and implement, in replica context, for the
+    `AccumulatorSlot`s of one micro-step:
+    - `_decide(slots) -> (finite, grads)`: whether the window's gradients
+      are finite on every replica (identical everywhere), and what this
+      replica hands the inner optimizer for each slot;
+    - `_apply_to_inner(grads, slots)`: one inner update, then empty the
+      accumulators;
+    - `_reset(slots)`: empty the accumulators.
+
+    Constructing either flavour's class with the other flavour's inner
+    optimizer builds the other class: the wrapper follows the optimizer it
+    is given, whatever `TF_USE_LEGACY_KERAS` made the package default (Ray
+    Train sets it while user code builds Keras 3 optimizers).
     """
+
+    def __new__(cls, inner_optimizer: Any = None, *args: Any, **kwargs: Any):
+        from keras_mgpu.optimizers import wrapper_class_for
+
+        target = wrapper_class_for(inner_optimizer)
+        # Only our own two classes redirect; a user's subclass keeps its
+        # flavour (and its check names the mismatch).
+        if (
+            target is not None
+            and cls is not target
+            and cls.__module__
+            in (
+                "keras_mgpu.optimizers.gradient_accumulation",
+                "keras_mgpu.optimizers.gradient_accumulation_tf_keras",
+            )
+        ):
+            return target(inner_optimizer, *args, **kwargs)
+        return super().__new__(cls)
+
+    # Clipping and weight decay are set on the inner optimizer and act once
+    # per update; reading or setting them on the wrapper reaches the inner.
+    clipnorm = _inner_setting("clipnorm")
+    global_clipnorm = _inner_setting("global_clipnorm")
+    clipvalue = _inner_setting("clipvalue")
+    weight_decay = _inner_setting("weight_decay")
 
     @property
     def iterations(self) -> Any:
@@ -153,6 +299,66 @@ class AccumulationProtocol:
     def finalize_variable_values(self, var_list: list) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
 
+    # Keras's per-variable hooks (what a custom optimizer overrides and
+    # Keras's own tests call directly): the wrapper has no rule of its own,
+    # its inner optimizer's rule is the one applied once per update.
+    def update_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner_optimizer.update_step(*args, **kwargs)
+
+    def _apply_weight_decay(self, variables: list) -> Any:
+        return self.inner_optimizer._apply_weight_decay(variables)
+
+    def _clip_gradients(self, grads: list) -> list:
+        return self.inner_optimizer._clip_gradients(grads)
+
+    def exclude_from_weight_decay(
+        self, var_list: list | None = None, var_names: list | None = None
+    ) -> None:
+        """Exclude variables from the inner optimizer's weight decay.
+
+        As on a plain optimizer (call it before the optimizer is built):
+        `var_list` excludes those variables, `var_names` every variable
+        whose name contains one of the strings.
+        """
+        self.inner_optimizer.exclude_from_weight_decay(
+            var_list=var_list, var_names=var_names
+        )
+
+    def set_weights(self, weights: list) -> None:
+        """Set the optimizer's state: one array per entry of `variables`, in
+        that order (the wrapper's counters and accumulators, then the inner
+        optimizer's iterations, learning rate and slots).
+
+        An accumulator takes the value as the sum over replicas, as a
+        restored checkpoint does.
+        """
+        if not (
+            getattr(self, "built", False) or getattr(self, "_built", False)
+        ):
+            raise ValueError(
+                "You are calling `set_weights()` on an optimizer that has "
+                "not yet been built. Please call "
+                "`optimizer.build(trainable_variables)` to create the "
+                "optimizer weights before calling `set_weights()`."
+            )
+        variables = list(self.variables)
+        weights = list(weights)
+        if len(weights) != len(variables):
+            raise ValueError(
+                f"Argument `weights` must hold {len(variables)} arrays, one "
+                "per entry of `optimizer.variables` (the wrapper's own, then "
+                f"the inner optimizer's). Received: {len(weights)} arrays."
+            )
+        for variable, weight in zip(variables, weights):
+            shape = tuple(getattr(weight, "shape", np.shape(weight)))
+            if tuple(variable.shape) != shape:
+                raise ValueError(
+                    f"Optimizer variable {variable_name(variable)} has shape "
+                    f"{tuple(variable.shape)}, not compatible with the "
+                    f"provided weight shape {shape}."
+                )
+            variable.assign(weight)
+
     def _correct_momentum(self) -> None:
         """Momentum correction (Goyal et al., 2017, section 2.1).
 
@@ -188,37 +394,35 @@ class AccumulationProtocol:
     def _window_complete(self) -> tf.Tensor:
         return self._pending_steps >= self.accumulation_steps
 
-    def _step_in_replica_context(self, variables, accumulators) -> None:
+    def _step_in_replica_context(self, slots: list) -> None:
         """No strategy (or one that never merges): all in replica context."""
         self._iterations.assign_add(1)
         self._pending_steps.assign_add(1)
 
         def update():
-            finite, grads = self._decide(accumulators)
+            finite, grads = self._decide(slots)
 
             def skip():
                 self._skipped_updates.assign_add(1)
-                self._reset(accumulators)
+                self._reset(slots)
 
             def apply_update():
                 self._correct_momentum()
-                self._apply_to_inner(grads, variables, accumulators)
+                self._apply_to_inner(grads, slots)
 
             tf.cond(finite, apply_update, skip)
             self._pending_steps.assign(0)
 
         tf.cond(self._window_complete(), update, lambda: None)
 
-    def _step_in_cross_replica_context(
-        self, distribution, variables, accumulators
-    ) -> None:
+    def _step_in_cross_replica_context(self, distribution, slots) -> None:
         """Called through `merge_call`.
 
         The decision must be taken here, in cross-replica context:
         tf.distribute does not allow a `tf.cond` in replica context whose
         branch calls `merge_call`, which the inner optimizer's update does
-        (the pattern of Keras's `LossScaleOptimizer`). Variables and
-        accumulators reach the replica functions by closure: passed as
+        (the pattern of Keras's `LossScaleOptimizer`). The slots (variables
+        and accumulators) reach the replica functions by closure: passed as
         arguments, `call_for_each_replica` would unwrap distributed
         variables to one device's component.
         """
@@ -228,9 +432,7 @@ class AccumulationProtocol:
 
         def update():
             finite_per_replica, grads_per_replica = (
-                extended.call_for_each_replica(
-                    lambda: self._decide(accumulators)
-                )
+                extended.call_for_each_replica(lambda: self._decide(slots))
             )
             # Every replica computed the same flag from an all-reduce.
             finite = distribution.experimental_local_results(
@@ -240,31 +442,27 @@ class AccumulationProtocol:
             def apply_update():
                 self._correct_momentum()
                 extended.call_for_each_replica(
-                    lambda grads: self._apply_to_inner(
-                        grads, variables, accumulators
-                    ),
+                    lambda grads: self._apply_to_inner(grads, slots),
                     args=(grads_per_replica,),
                 )
 
             def skip_update():
                 self._skipped_updates.assign_add(1)
-                extended.call_for_each_replica(
-                    lambda: self._reset(accumulators)
-                )
+                extended.call_for_each_replica(lambda: self._reset(slots))
 
             tf.cond(finite, apply_update, skip_update)
             self._pending_steps.assign(0)
 
         tf.cond(self._window_complete(), update, lambda: None)
 
-    def _step(self, variables, accumulators) -> None:
+    def _step(self, slots: list) -> None:
         """After this replica accumulated: count, and update if due."""
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             # No strategy at all, or XLA on all-GPU MirroredStrategy.
-            self._step_in_replica_context(variables, accumulators)
+            self._step_in_replica_context(slots)
         else:
             tf.distribute.get_replica_context().merge_call(
                 lambda distribution: self._step_in_cross_replica_context(
-                    distribution, variables, accumulators
+                    distribution, slots
                 )
             )

@@ -3,20 +3,40 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
-from keras_mgpu._flavour import check_flavour, keras, register_serializable, tf
+from keras_mgpu._flavour import (
+    check_flavour,
+    keras_of,
+    register_serializable,
+    tf,
+)
 from keras_mgpu._validation import check_int
 from keras_mgpu.distribute import strategy_kind
 from keras_mgpu.optimizers._accumulation_common import (
+    DENSE,
     INNER_ONLY_ARGUMENTS,
+    MAXIMUM,
+    SPARSE,
     AccumulationProtocol,
+    AccumulatorSlot,
     all_finite,
     check_inner_is_not_a_wrapper,
     check_momentum_correction,
+    deduplicate_rows,
+    divide_gradient,
+    overwrites_with_gradient,
     reject_wrapper_arguments,
+    scatter_add_locally,
+    touched_rows,
+    variable_name,
 )
+
+# Keras 3 whatever TF_USE_LEGACY_KERAS says: this class serves Keras 3
+# optimizers (keras_mgpu.GradientAccumulationOptimizer picks it for them).
+keras = keras_of("keras3")
 
 _INNER_ONLY_ARGUMENTS = INNER_ONLY_ARGUMENTS + (
     "loss_scale_factor",
@@ -110,7 +130,45 @@ def _check_keras_limits() -> None:
         )
 
 
-@register_serializable
+def _is_sparse(grad: Any) -> bool:
+    return isinstance(grad, tf.IndexedSlices)
+
+
+def _all_reduce_sum(context: Any, grads: list) -> list:
+    """Sum `grads` over the replicas (replica context); repeated rows of
+    sparse gradients, which the sum concatenates, are summed too."""
+    reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+    if context.num_replicas_in_sync == 1:
+        return reduced
+    return [deduplicate_rows(g) if _is_sparse(g) else g for g in reduced]
+
+
+def _replica_share(context: Any, grad: Any) -> Any:
+    """This replica's part of an all-reduced gradient, such that the
+    inner optimizer's all-reduce (a sum) gives `grad` back: an equal share
+    of a dense gradient; all rows of a sparse one on the first replica and
+    none elsewhere, so each row reaches the inner optimizer once."""
+    replicas = context.num_replicas_in_sync
+    if not _is_sparse(grad):
+        return grad / replicas
+    if replicas == 1:
+        return grad
+    first = tf.equal(context.replica_id_in_sync_group, 0)
+    rows = tf.where(first, tf.shape(grad.indices)[0], 0)
+    return tf.IndexedSlices(
+        grad.values[:rows], grad.indices[:rows], grad.dense_shape
+    )
+
+
+def _slot_kind(grad: Any, variable: Any) -> str:
+    if overwrites_with_gradient(variable):
+        return MAXIMUM
+    if _is_sparse(grad):
+        return SPARSE
+    return DENSE
+
+
+@functools.partial(register_serializable, flavour="keras3")
 class GradientAccumulationOptimizer(
     AccumulationProtocol, keras.optimizers.Optimizer
 ):
@@ -152,8 +210,22 @@ class GradientAccumulationOptimizer(
     gives the same update (even on a different number of replicas).
 
     **Sparse gradients** (`tf.IndexedSlices`, e.g. from `Embedding`) are
-    added into dense accumulators; the inner optimizer then receives a dense
-    mean gradient, which Keras 3 optimizers treat identically.
+    scattered into the accumulator (only the looked-up rows are written);
+    at the update the inner optimizer receives the mean of the rows touched
+    in the window, again as `tf.IndexedSlices` (unique indices, repeated
+    lookups summed), so an optimizer that updates sparsely still does, and
+    rows without a gradient keep their value even under a non-additive
+    sparse update. A touched row whose gradients cancel to exactly zero is
+    left out, which no optimizer whose sparse update equals its dense one
+    can tell apart.
+
+    **float8** (`overwrite_with_gradient` variables: scales and amax
+    histories) are not averaged: as with Keras's own
+    `gradient_accumulation_steps`, the window's maximum (from zero) is kept
+    and, at the update, written to the variable by the inner optimizer
+    without clipping or loss scaling. Under `tf.distribute` the maximum is
+    also taken over replicas (one small all-gather per micro-step), so every
+    replica holds one large batch's amax.
 
     **Non-trainable weights** (e.g. `BatchNormalization` moving statistics)
     are not touched by optimizers: they keep updating on every micro-batch's
@@ -221,7 +293,7 @@ class GradientAccumulationOptimizer(
 
     @staticmethod
     def _check_inner(inner_optimizer: Any) -> None:
-        check_flavour(inner_optimizer, "inner_optimizer")
+        check_flavour(inner_optimizer, "inner_optimizer", "keras3")
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(
                 "Argument `inner_optimizer` must be a Keras 3 "
@@ -290,9 +362,17 @@ class GradientAccumulationOptimizer(
         `ON_READ` + `SUM`: writes in replica context stay on the replica's
         device; a read in cross-replica context (saving) sums the replicas,
         and a restore splits the sum evenly, so the total is preserved.
+        A variable Keras overwrites with its gradient (float8 scales and
+        amax histories) gets a running maximum instead, kept identical on
+        every replica: `ONLY_FIRST_REPLICA` saves one copy and restores it
+        to all.
         """
-        colocate = getattr(reference, "value", reference)
-        name = reference.path.replace("/", "_") + "_accumulator"
+        if isinstance(reference, keras.Variable):
+            colocate = reference.value
+        else:  # a raw tf.Variable, which plain Keras optimizers accept
+            colocate = reference
+        keeps_maximum = overwrites_with_gradient(reference)
+        name = variable_name(reference).replace("/", "_") + "_accumulator"
         with self._distribution_strategy.extended.colocate_vars_with(colocate):
             with keras.name_scope(self.name, caller=self):
                 variable = keras.Variable(
@@ -300,7 +380,9 @@ class GradientAccumulationOptimizer(
                     shape=reference.shape,
                     dtype=reference.dtype,
                     trainable=False,
-                    aggregation="sum",
+                    aggregation=(
+                        "only_first_replica" if keeps_maximum else "sum"
+                    ),
                     synchronization="on_read",
                     name=name,
                 )
@@ -347,93 +429,155 @@ class GradientAccumulationOptimizer(
                 "replica context (inside `strategy.run` or `model.fit`)."
             )
         _check_keras_limits()
-        # A variable with no gradient (None, known while tracing) gets none
-        # from the wrapper either: the inner optimizer then skips it
-        # (and warns), exactly as without accumulation. A zero gradient
-        # would not be the same (weight decay, momentum).
-        missing = [
-            v.path for g, v in zip(grads, trainable_variables) if g is None
-        ]
-        if missing:
-            warnings.warn(
-                f"Gradients do not exist for variables {missing} when "
-                "minimizing the loss; GradientAccumulationOptimizer leaves "
-                "them unchanged.",
-                stacklevel=2,
-            )
-        trainable_variables = [
-            v for g, v in zip(grads, trainable_variables) if g is not None
-        ]
-        grads = [g for g in grads if g is not None]
+        grads, trainable_variables = self._drop_missing(
+            grads, trainable_variables
+        )
         if not grads:
             self.inner_optimizer.apply(
                 [None] * len(self._trainable_variables),
                 self._trainable_variables,
             )
             return
-        accumulators = [
-            self._accumulators[self._get_variable_index(v)]
-            for v in trainable_variables
+        slots = [
+            AccumulatorSlot(
+                variable,
+                self._accumulators[self._get_variable_index(variable)],
+                _slot_kind(grad, variable),
+            )
+            for grad, variable in zip(grads, trainable_variables)
         ]
         with keras.name_scope(self.name, caller=self):
-            self._accumulate(grads, accumulators)
-            self._step(trainable_variables, accumulators)
+            self._accumulate(grads, slots)
+            self._step(slots)
 
-    def _accumulate(self, grads: list, accumulators: list) -> None:
+    @staticmethod
+    def _drop_missing(grads: list, variables: list) -> tuple:
+        """Leave out variables without a gradient (None, known while
+        tracing), with Keras's warning: the inner optimizer gets none for
+        them either, exactly as without accumulation. A zero gradient would
+        not be the same (weight decay, momentum)."""
+        missing = [
+            variable_name(v) for g, v in zip(grads, variables) if g is None
+        ]
+        if missing:
+            warnings.warn(
+                f"Gradients do not exist for variables {missing} when "
+                "minimizing the loss; GradientAccumulationOptimizer leaves "
+                "them unchanged.",
+                stacklevel=3,
+            )
+        kept = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        return [g for g, _ in kept], [v for _, v in kept]
+
+    def _accumulate(self, grads: list, slots: list) -> None:
         """Add this replica's gradients to its own accumulators (local)."""
-        scale = self.loss_scale_factor
-        for grad, accumulator in zip(grads, accumulators):
-            if grad is None:
+        for grad, slot in zip(grads, slots):
+            if slot.kind == MAXIMUM:
+                self._accumulate_maximum(grad, slot.accumulator)
                 continue
+            grad = tf.cast(grad, slot.accumulator.dtype)
+            if self.loss_scale_factor is not None:
+                grad = divide_gradient(grad, self.loss_scale_factor)
             if isinstance(grad, tf.IndexedSlices):
-                grad = tf.convert_to_tensor(grad)
-            grad = tf.cast(grad, accumulator.dtype)
-            if scale is not None:
-                grad = grad / scale
-            # `tf.Variable.assign_add`, not `keras.Variable.assign_add`:
-            # Keras implements the latter as `assign(self + value)`, which
-            # an `AggregatingVariable` (CentralStorageStrategy) sums over
-            # replicas, old value included (Keras 3.15).
-            accumulator.value.assign_add(grad)
+                # Only the looked-up rows are written.
+                scatter_add_locally(slot.accumulator.value, grad)
+            else:
+                # `tf.Variable.assign_add`, not `keras.Variable.assign_add`:
+                # Keras implements the latter as `assign(self + value)`,
+                # which an `AggregatingVariable` (CentralStorageStrategy)
+                # sums over replicas, old value included (Keras 3.15).
+                slot.accumulator.value.assign_add(grad)
 
-    def _local_means(self, accumulators: list) -> list:
-        """This replica's share of the mean gradient (the shares sum to it)."""
+    def _accumulate_maximum(self, value: Any, accumulator: Any) -> None:
+        """Keep the running maximum of a variable Keras overwrites with its
+        "gradient" (float8 scale or amax history), as Keras's own
+        `gradient_accumulation_steps` does (`ops.maximum`, from zero); it is
+        neither loss-scaled nor averaged. The maximum is also taken over
+        replicas, so every replica holds the same value (one large batch's
+        amax) and saves and restores exactly.
+        """
+        value = tf.cast(tf.convert_to_tensor(value), accumulator.dtype)
+        context = tf.distribute.get_replica_context()
+        if context.num_replicas_in_sync > 1:
+            gathered = context.all_gather(value[tf.newaxis], axis=0)
+            value = tf.reduce_max(gathered, axis=0)
+        accumulator.assign(tf.maximum(accumulator.value, value))
+
+    def _local_mean(self, slot: AccumulatorSlot) -> Any:
+        """This replica's share of a slot's mean gradient (the shares sum
+        to it): a dense tensor, or the touched rows for a sparse slot."""
         divisor = self.accumulation_steps
         if self._accumulators_are_shared:
             context = tf.distribute.get_replica_context()
             divisor *= context.num_replicas_in_sync
-        return [tf.convert_to_tensor(a.value) / divisor for a in accumulators]
+        total = tf.convert_to_tensor(slot.accumulator.value)
+        if slot.kind == SPARSE:
+            return touched_rows(total, divisor)
+        return total / divisor
 
-    def _decide(self, accumulators: list) -> tuple:
-        """Replica context: (finite?, gradients to hand to the inner).
+    def _decide(self, slots: list) -> tuple:
+        """Replica context: (finite everywhere?, what the inner receives).
 
-        Without clipping the inner optimizer receives each replica's local
-        mean and all-reduces it (one all-reduce per update); only a scalar
-        "non-finite" count crosses devices beforehand. With clipping the
-        mean is all-reduced here, clipped, and handed over divided by the
-        replica count, so the inner's own sum restores it (its own clipping
-        is then a no-op: each part's norm is below the threshold).
+        The mean gradients come from `_reduce_means` (the update's one
+        all-reduce happens there or in the inner optimizer). A variable Keras
+        overwrites with its gradient gets the window's maximum, already the
+        same on every replica, and no clipping or averaging.
+        """
+        summed = [slot for slot in slots if slot.kind != MAXIMUM]
+        finite, means = self._reduce_means(summed)
+        means = iter(means)
+        grads = [
+            tf.convert_to_tensor(slot.accumulator.value)
+            if slot.kind == MAXIMUM
+            else next(means)
+            for slot in slots
+        ]
+        maxima = [g for g, slot in zip(grads, slots) if slot.kind == MAXIMUM]
+        return tf.logical_and(finite, all_finite(maxima)), grads
+
+    def _reduce_means(self, slots: list) -> tuple:
+        """Replica context: (finite everywhere?, this replica's share of each
+        mean gradient; the inner optimizer's all-reduce sums the shares).
+
+        Without clipping each replica hands over its local mean, and the
+        inner optimizer all-reduces it (one all-reduce per update); only a
+        scalar "non-finite" count crosses devices beforehand. With clipping
+        the means are all-reduced here, clipped, and handed over as shares
+        that the inner's own sum restores (its own clipping is then a no-op:
+        each share's norm is below the threshold). Sparse means under
+        several replicas are always reduced here: tf.distribute sums slices
+        by concatenating them, so the inner would see a row touched on two
+        replicas twice, which Keras applies unsummed (Adagrad, RMSprop).
         """
         context = tf.distribute.get_replica_context()
-        local = self._local_means(accumulators)
+        local = [self._local_mean(slot) for slot in slots]
         if _has_clipping(self.inner_optimizer):
-            reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
-            finite = all_finite(reduced)
+            reduced = _all_reduce_sum(context, local)
             clipped = _clip_like(self.inner_optimizer, reduced)
-            replicas = context.num_replicas_in_sync
-            return finite, [g / replicas for g in clipped]
+            shares = [_replica_share(context, g) for g in clipped]
+            return all_finite(reduced), shares
+        sparse = [i for i, g in enumerate(local) if _is_sparse(g)]
+        if sparse and context.num_replicas_in_sync > 1:
+            reduced = _all_reduce_sum(context, [local[i] for i in sparse])
+            for i, grad in zip(sparse, reduced):
+                local[i] = _replica_share(context, grad)
         nonfinite = tf.cast(tf.logical_not(all_finite(local)), tf.float32)
         nonfinite = context.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
         return tf.equal(nonfinite, 0.0), local
 
-    def _apply_to_inner(self, grads, trainable_variables, accumulators):
-        """Replica context: one inner update, then empty the accumulators."""
-        self.inner_optimizer.apply(grads, trainable_variables)
-        self._reset(accumulators)
+    def _apply_to_inner(self, grads: list, slots: list) -> None:
+        """Replica context: one inner update, then empty the accumulators.
 
-    def _reset(self, accumulators: list) -> None:
-        for accumulator in accumulators:
-            accumulator.assign(tf.zeros_like(accumulator.value))
+        Variables Keras overwrites with their gradient go to the inner
+        optimizer too, with the window's maximum: its own `apply` assigns
+        them, as without accumulation.
+        """
+        self.inner_optimizer.apply(grads, [slot.variable for slot in slots])
+        self._reset(slots)
+
+    def _reset(self, slots: list) -> None:
+        for slot in slots:
+            slot.accumulator.assign(tf.zeros_like(slot.accumulator.value))
 
     def scale_loss(self, loss: Any) -> Any:
         if self.loss_scale_factor is not None:

@@ -3,21 +3,37 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
 import numpy as np
 
-from keras_mgpu._flavour import check_flavour, keras, register_serializable, tf
+from keras_mgpu._flavour import (
+    check_flavour,
+    keras_of,
+    register_serializable,
+    tf,
+)
 from keras_mgpu._validation import check_int
 from keras_mgpu.optimizers._accumulation_common import (
+    DENSE,
     INNER_ONLY_ARGUMENTS,
+    SPARSE,
     AccumulationProtocol,
+    AccumulatorSlot,
     all_finite,
     check_inner_is_not_a_wrapper,
     check_momentum_correction,
+    divide_gradient,
     reject_wrapper_arguments,
+    scatter_add_locally,
+    touched_rows,
 )
+
+# tf_keras whatever TF_USE_LEGACY_KERAS says: this class serves tf_keras
+# optimizers (keras_mgpu.GradientAccumulationOptimizer picks it for them).
+keras = keras_of("tf_keras")
 
 _INNER_ONLY_ARGUMENTS = INNER_ONLY_ARGUMENTS + ("jit_compile", "mesh")
 
@@ -36,7 +52,7 @@ def _true_dtype(variable: Any) -> tf.DType:
     return getattr(variable, "true_dtype", variable.dtype)
 
 
-@register_serializable
+@functools.partial(register_serializable, flavour="tf_keras")
 class GradientAccumulationOptimizer(
     AccumulationProtocol, keras.optimizers.Optimizer
 ):
@@ -89,9 +105,12 @@ class GradientAccumulationOptimizer(
     gives the same update (even on a different number of replicas).
 
     **Sparse gradients** (`tf.IndexedSlices`, e.g. from `Embedding`) are
-    added into dense accumulators. **Non-trainable weights** (e.g.
-    `BatchNormalization` statistics) keep updating on every micro-batch's
-    forward pass, as with any Keras model.
+    scattered into the accumulator; at the update the inner optimizer
+    receives the mean of the rows touched in the window as
+    `tf.IndexedSlices` (unique indices, as tf_keras's own deduplication
+    makes them), so it updates sparsely where it would without accumulation.
+    **Non-trainable weights** (e.g. `BatchNormalization` statistics) keep
+    updating on every micro-batch's forward pass, as with any Keras model.
 
     Args:
         inner_optimizer: A tf_keras `tf_keras.optimizers.Optimizer` (not a
@@ -152,7 +171,7 @@ class GradientAccumulationOptimizer(
 
     @staticmethod
     def _check_inner(inner_optimizer: Any) -> None:
-        check_flavour(inner_optimizer, "inner_optimizer")
+        check_flavour(inner_optimizer, "inner_optimizer", "tf_keras")
         check_inner_is_not_a_wrapper(
             inner_optimizer,
             GradientAccumulationOptimizer,
@@ -291,10 +310,16 @@ class GradientAccumulationOptimizer(
                 "called in a replica context (inside `strategy.run` or "
                 "`model.fit`)."
             )
-        grads = [g for g, _ in pairs]
-        variables = [v for _, v in pairs]
-        accumulators = []
-        for variable in variables:
+        slots = self._slots(pairs)
+        with tf.name_scope(name or self.name):
+            self._accumulate([g for g, _ in pairs], slots, pre_reduced)
+            self._step(slots)
+        return self.iterations
+
+    def _slots(self, pairs: list) -> list:
+        """The accumulator slot of each (gradient, variable) pair."""
+        slots = []
+        for grad, variable in pairs:
             index = self._index_dict.get(self._var_key(variable))
             if index is None:
                 raise ValueError(
@@ -303,30 +328,31 @@ class GradientAccumulationOptimizer(
                     "variable it will update (`model.compile` and "
                     "`model.fit` do that)."
                 )
-            accumulators.append(self._accumulators[index])
-        with tf.name_scope(name or self.name):
-            self._accumulate(grads, accumulators, pre_reduced)
-            self._step(variables, accumulators)
-        return self.iterations
+            kind = SPARSE if isinstance(grad, tf.IndexedSlices) else DENSE
+            slots.append(
+                AccumulatorSlot(variable, self._accumulators[index], kind)
+            )
+        return slots
 
-    def _accumulate(
-        self, grads: list, accumulators: list, pre_reduced: bool
-    ) -> None:
+    def _accumulate(self, grads: list, slots: list, pre_reduced: bool) -> None:
         """Add this replica's gradients to its own accumulators (local)."""
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        for grad, accumulator in zip(grads, accumulators, strict=True):
-            if isinstance(grad, tf.IndexedSlices):
-                grad = tf.convert_to_tensor(grad)
-            grad = tf.cast(grad, accumulator.dtype)
+        for grad, slot in zip(grads, slots, strict=True):
+            grad = tf.cast(grad, slot.accumulator.dtype)
             if pre_reduced and replicas > 1:
                 # Keep "the sum over replicas is the global gradient sum".
-                grad = grad / replicas
-            accumulator.assign_add(grad)
+                grad = divide_gradient(grad, replicas)
+            if isinstance(grad, tf.IndexedSlices):
+                # Only the looked-up rows are written.
+                scatter_add_locally(slot.accumulator, grad)
+            else:
+                slot.accumulator.assign_add(grad)
 
-    def _decide(self, accumulators: list) -> tuple:
+    def _decide(self, slots: list) -> tuple:
         """Replica context: (finite everywhere?, this replica's share).
 
-        The shares sum, over replicas, to the mean gradient of the window;
+        The shares sum, over replicas, to the mean gradient of the window
+        (for a sparse slot: the mean of the rows touched on this replica);
         the inner optimizer all-reduces them (SUM: Keras scaled the loss by
         1/replicas) and clips the reduced result. Only a scalar crosses
         devices here.
@@ -334,26 +360,34 @@ class GradientAccumulationOptimizer(
         context = tf.distribute.get_replica_context()
         replicas = context.num_replicas_in_sync
         local = []
-        for accumulator in accumulators:
+        for slot in slots:
             divisor = self.accumulation_steps
-            if not isinstance(accumulator, tf.distribute.DistributedValues):
+            if not isinstance(
+                slot.accumulator, tf.distribute.DistributedValues
+            ):
                 # One variable shared by the replicas (CentralStorageStrategy
                 # and ParameterServerStrategy make the ON_READ variable an
                 # aggregating one): it holds the whole sum, and every replica
                 # hands over an equal part of it.
                 divisor *= replicas
-            local.append(tf.identity(accumulator.read_value()) / divisor)
+            total = tf.identity(slot.accumulator.read_value())
+            if slot.kind == SPARSE:
+                local.append(touched_rows(total, divisor))
+            else:
+                local.append(total / divisor)
         nonfinite = tf.cast(tf.logical_not(all_finite(local)), tf.float32)
         nonfinite = context.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
         return tf.equal(nonfinite, 0.0), local
 
-    def _apply_to_inner(self, grads, variables, accumulators) -> None:
+    def _apply_to_inner(self, grads: list, slots: list) -> None:
         """Replica context: one inner update, then empty the accumulators."""
+        variables = [slot.variable for slot in slots]
         self.inner_optimizer.apply_gradients(zip(grads, variables, strict=True))
-        self._reset(accumulators)
+        self._reset(slots)
 
-    def _reset(self, accumulators: list) -> None:
-        for accumulator in accumulators:
+    def _reset(self, slots: list) -> None:
+        for slot in slots:
+            accumulator = slot.accumulator
             accumulator.assign(tf.zeros_like(accumulator.read_value()))
 
     # ------------------------------------------------------------------

@@ -1,0 +1,171 @@
+"""Worker bodies for tests/distribute/test_worker_failures.py (and its
+tf_keras twin in tests/legacy): a worker killed or stalled in the middle of
+`fit`, then the whole job restarted from the chief's backup.
+
+Each body returns what happened instead of raising, so the test harness
+gets every worker's result even when training failed as intended.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+SAMPLES = 64
+GLOBAL_BATCH = 8  # 8 steps per epoch
+ACCUMULATION = 3  # windows straddle the epochs
+EPOCHS = 4
+WARMUP_UPDATES = 10  # of 10 updates in all: every backup is mid-warmup
+# Worker 1 is killed (or stalls) at this (epoch, batch): micro-step 13 of
+# the run, one micro-batch into a window, update 4 of the warmup.
+STOP_AT = (1, 4)
+WATCHDOG_TIMEOUT = 10.0
+STALL_SECONDS = 16.0  # longer than the watchdog's timeout
+
+
+def _data():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1))).astype("float32")
+    return x, y
+
+
+def _compiled_model():
+    from keras_mgpu import GradientAccumulationOptimizer
+    from keras_mgpu._flavour import keras
+
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(
+        optimizer=GradientAccumulationOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.5), ACCUMULATION
+        ),
+        loss="mse",
+    )
+    return model
+
+
+def _stopper(mode: str):
+    """A callback that kills or stalls this worker at `STOP_AT`."""
+    from keras_mgpu._flavour import keras
+
+    class Stop(keras.callbacks.Callback):
+        epoch = 0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if (self.epoch, batch) != STOP_AT:
+                return
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(STALL_SECONDS)  # alive but stuck: peers must not wait
+
+    return Stop()
+
+
+def _last_batch_end():
+    from keras_mgpu._flavour import keras
+
+    class LastBatchEnd(keras.callbacks.Callback):
+        at = None
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.at = time.monotonic()
+
+    return LastBatchEnd()
+
+
+def train(task_index: int, backup_dir: str, mode: str = "none") -> dict:
+    """`mode`: "kill" or "stall" worker 1 at STOP_AT, or "none"."""
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    import keras_mgpu
+    from keras_mgpu.callbacks import (
+        BackupAndRestore,
+        LearningRateWarmup,
+        MemoryMonitor,
+        WorkerWatchdog,
+    )
+
+    keras_mgpu.distribute.enable_multi_worker_fit()
+    with strategy.scope():
+        model = _compiled_model()
+    last = _last_batch_end()
+    watchdog = WorkerWatchdog(timeout=WATCHDOG_TIMEOUT, heartbeat_interval=0.5)
+    callbacks = [
+        BackupAndRestore(backup_dir),
+        LearningRateWarmup(warmup_steps=WARMUP_UPDATES),
+        MemoryMonitor(gather_workers=True),
+        watchdog,
+        last,
+    ]
+    if mode != "none" and task_index == 1:
+        callbacks.insert(0, _stopper(mode))
+    x, y = _data()
+    error, epochs_run = None, None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            history = model.fit(
+                x,
+                y,
+                batch_size=GLOBAL_BATCH,
+                epochs=EPOCHS,
+                shuffle=False,
+                verbose=0,
+                callbacks=callbacks,
+            )
+        epochs_run = history.epoch
+    except Exception as exc:  # the failure under test
+        error = f"{type(exc).__name__}: {exc}"[-3000:]
+    failed_after = (
+        time.monotonic() - last.at if error and last.at is not None else None
+    )
+    return {
+        "error": error,
+        "failed_after": failed_after,
+        "report": watchdog.report,
+        "epochs_run": epochs_run,
+        "weights": [w.tolist() for w in model.get_weights()],
+        "updates": int(model.optimizer.iterations.numpy()),
+    }
+
+
+def uninterrupted(task_index: int) -> dict:
+    """The reference: one process, no strategy, the same run end to end."""
+    import warnings
+
+    from keras_mgpu.callbacks import LearningRateWarmup
+
+    model = _compiled_model()
+    x, y = _data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(
+            x,
+            y,
+            batch_size=GLOBAL_BATCH,
+            epochs=EPOCHS,
+            shuffle=False,
+            verbose=0,
+            callbacks=[LearningRateWarmup(warmup_steps=WARMUP_UPDATES)],
+        )
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "updates": int(model.optimizer.iterations.numpy()),
+    }

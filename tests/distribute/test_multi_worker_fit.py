@@ -1,0 +1,229 @@
+"""Keras 3 `fit` / `evaluate` / `predict` under MultiWorkerMirroredStrategy
+with `enable_multi_worker_fit()` (keras-team/keras#20585).
+
+One 2-worker cluster runs every scenario (tests/distribute/mw_fit_bodies.py);
+the references are the same training in one process on the global batch.
+The unit tests below need no cluster: the patch is a no-op elsewhere,
+reversible, idempotent and guarded by the Keras version.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from _processes import run_workers
+from _training import max_abs_diff, mlp, regression_data
+from conftest import make_strategy
+
+from keras_mgpu._flavour import keras
+from keras_mgpu.distribute import (
+    MultiWorkerFitWarning,
+    disable_multi_worker_fit,
+    enable_multi_worker_fit,
+    multi_worker_fit_enabled,
+)
+from keras_mgpu.distribute import multi_worker_fit as patch_module
+
+TOLERANCE = 1e-6  # float32 summation order; measured 6e-8 to 1.2e-7
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return run_workers("distribute.mw_fit_bodies:fit_scenarios", 2, timeout=300)
+
+
+@pytest.mark.slow
+def test_fit_equals_one_process_on_the_global_batch(cluster):
+    for result in cluster:
+        assert result["replicas"] == 2
+        plain = result["plain"]
+        assert max_abs_diff(plain["weights"], plain["reference"]) < TOLERANCE
+    assert cluster[0]["plain"]["weights"] == cluster[1]["plain"]["weights"]
+
+
+@pytest.mark.slow
+def test_evaluate_and_predict(cluster):
+    for result in cluster:
+        plain = result["plain"]
+        # steps_per_execution=2 (untrained model): predict has no
+        # multi-step loop, so it works and keras_mgpu lets it through.
+        np.testing.assert_allclose(
+            result["predict_spe2"], result["predict_spe2_reference"], atol=1e-6
+        )
+        assert plain["evaluate"] == pytest.approx(
+            plain["evaluate_reference"], rel=1e-5
+        )
+        np.testing.assert_allclose(
+            plain["predict"], plain["predict_reference"], atol=1e-5
+        )
+
+
+@pytest.mark.slow
+def test_every_component_in_fit(cluster):
+    for result in cluster:
+        components = result["components"]
+        assert (
+            max_abs_diff(components["weights"], components["reference"])
+            < TOLERANCE
+        )
+        assert components["updates"] == 12  # 3 epochs x 8 micro-steps / 2
+        # Scaled 2x (global batch 16 / 8), warmed up over 6 updates.
+        assert components["learning_rate"][-1] == pytest.approx(0.1)
+        keys = components["log_keys"]
+        for worker in (0, 1):  # gathered: every worker logs both
+            assert f"mem/w{worker}_host_rss_mb" in keys
+            assert f"cpu/w{worker}_util_mean_pct" in keys
+    assert (
+        cluster[0]["components"]["weights"]
+        == cluster[1]["components"]["weights"]
+    )
+
+
+@pytest.mark.slow
+def test_dataset_of_unknown_cardinality_with_validation(cluster):
+    for result in cluster:
+        run = result["tf_dataset"]
+        assert max_abs_diff(run["weights"], run["reference"]) < TOLERANCE
+        assert len(run["val_loss"]) == 2
+
+
+@pytest.mark.slow
+def test_shuffled_arrays_cover_every_sample_once_per_epoch(cluster):
+    # Without the shared seed (measured): counts of 0, 1 and 2 in one
+    # epoch, with no global seed and with a different seed per worker.
+    for result in cluster:
+        first, second = result["coverage"]["counts"]
+        assert set(first) == {1.0}
+        assert set(second) == {2.0}
+
+
+@pytest.mark.slow
+def test_clear_errors_and_warnings(cluster):
+    for result in cluster:
+        assert (
+            "ValueError: `model.fit` with steps_per_execution=2"
+            in (result["steps_per_execution_error"])
+        )
+        assert "keras-team/keras#19246" in result["steps_per_execution_error"]
+        assert "keras_mgpu.callbacks.BackupAndRestore" in result["backup_error"]
+        (warning,) = result["partial_batch_warnings"]
+        assert "partial batch of 4 samples" in warning
+
+
+@pytest.mark.slow
+def test_a_slow_worker_is_flagged_on_every_worker(cluster):
+    for result in cluster:
+        slow = result["straggler"]
+        logs = slow["logs"]
+        for worker in (0, 1):
+            for name in ("step_ms", "wait_ms", "busy_ms"):
+                assert f"workers/w{worker}_{name}" in logs
+        assert logs["workers/slowest"] == 1.0
+        # 300 ms more per step on worker 1; worker 0 waits for it. (The
+        # step times themselves are equal: the workers move in lockstep.)
+        assert logs["workers/w1_busy_ms"] - logs["workers/w0_busy_ms"] > 150
+        assert logs["workers/w0_wait_ms"] - logs["workers/w1_wait_ms"] > 150
+        assert logs["workers/w0_step_ms"] == pytest.approx(
+            logs["workers/w1_step_ms"], rel=0.1
+        )
+        assert logs["workers/step_time_ratio"] > 1.25
+        (warning,) = slow["warnings"]
+        assert "worker 1 is a straggler" in warning
+    assert cluster[0]["straggler"]["logs"] == cluster[1]["straggler"]["logs"]
+
+
+@pytest.mark.slow
+@pytest.mark.keras_limit
+def test_keras_steps_per_execution_fails_under_multi_worker(cluster):
+    """keras-team/keras#19246: what our ValueError replaces."""
+    for result in cluster:
+        error = result["keras_limits"]["steps_per_execution"]
+        assert "must feed a value for placeholder" in error
+
+
+@pytest.mark.slow
+@pytest.mark.keras_limit
+def test_keras_backup_and_restore_is_not_multi_worker_safe(cluster):
+    """Every worker writes the same file: one fails on it, the other is
+    left alone in a collective (our watchdog ends its wait)."""
+    errors = [r["keras_limits"]["backup"] for r in cluster]
+    assert all(errors)
+    assert any(
+        marker in error
+        for error in errors
+        for marker in ("BlockingIOError", "FileExistsError", "lock file")
+    )
+
+
+# ----------------------------------------------------------------------
+# Without a cluster
+# ----------------------------------------------------------------------
+@pytest.fixture
+def restored():
+    was = multi_worker_fit_enabled()
+    yield
+    disable_multi_worker_fit()
+    if was:
+        enable_multi_worker_fit()
+
+
+def test_enable_is_idempotent_and_reversible(restored):
+    from keras.src.backend.tensorflow import trainer
+
+    original_fit = keras.Model.fit
+    original_reduce = trainer.reduce_per_replica
+    assert enable_multi_worker_fit() is True
+    assert enable_multi_worker_fit() is True
+    assert multi_worker_fit_enabled()
+    assert keras.Model.fit is not original_fit
+    assert keras.Model.fit.__wrapped__ is original_fit
+    assert trainer.reduce_per_replica.__wrapped__ is original_reduce
+    disable_multi_worker_fit()
+    disable_multi_worker_fit()
+    assert not multi_worker_fit_enabled()
+    assert keras.Model.fit is original_fit
+    assert trainer.reduce_per_replica is original_reduce
+
+
+def test_untested_keras_version_warns_and_patches_nothing(
+    restored, monkeypatch
+):
+    disable_multi_worker_fit()
+    monkeypatch.setattr(keras, "version", lambda: "3.99.0")
+    with pytest.warns(MultiWorkerFitWarning, match="Keras 3.99.0"):
+        assert enable_multi_worker_fit() is False
+    assert not multi_worker_fit_enabled()
+
+
+def test_version_guard():
+    assert patch_module.keras_version_is_tested("3.15.1")
+    assert patch_module.keras_version_is_tested("3.10.0")
+    assert not patch_module.keras_version_is_tested("3.9.2")
+    assert not patch_module.keras_version_is_tested("4.0.0")
+
+
+@pytest.mark.parametrize("name", ["default", "mirrored_2"])
+def test_no_change_outside_multi_worker_training(name, restored):
+    """Bit-identical training with and without the fix."""
+
+    def train():
+        strategy = make_strategy(name)
+        x, y = regression_data(40)
+        with strategy.scope():
+            model = mlp()
+            model.compile(optimizer="sgd", loss="mse")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", MultiWorkerFitWarning)
+            model.fit(x, y, batch_size=8, epochs=2, verbose=0)  # partial
+            loss = model.evaluate(x, y, verbose=0)
+            model.predict(x, verbose=0)
+        return model.get_weights(), loss
+
+    disable_multi_worker_fit()
+    plain = train()
+    enable_multi_worker_fit()
+    patched = train()
+    assert max_abs_diff(plain[0], patched[0]) == 0.0
+    assert plain[1] == patched[1]
