@@ -31,8 +31,9 @@ _EXPORTS = {
     "find_batch_size": "keras_mgpu.batch_size",
     "global_batch_size": "keras_mgpu.distribute",
     "num_replicas_in_sync": "keras_mgpu.distribute",
-    "plan_batch": "keras_mgpu.batch_size",
     "placement_report": "keras_mgpu.placement",
+    "plan_batch": "keras_mgpu.batch_size",
+    "recomputed_layers": "keras_mgpu.layers",
     "scaled_learning_rate": "keras_mgpu.schedules",
     "strip_placement": "keras_mgpu.placement",
     "strip_recompute": "keras_mgpu.layers",
@@ -74,6 +75,7 @@ if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
     from keras_mgpu.layers import (
         RecomputeGrad,  # noqa: F401
         apply_recompute,  # noqa: F401
+        recomputed_layers,  # noqa: F401
         strip_recompute,  # noqa: F401
     )
     from keras_mgpu.optimizers import GradientAccumulationOptimizer  # noqa: F401

@@ -1,12 +1,13 @@
-"""Shared check (both Keras flavours): a RecomputeGrad block's stateful
-updates run once per training step, exactly as in the unwrapped block."""
+"""Shared check (both Keras flavours): a recomputed block's stateful updates
+run once per training step, exactly as in the plain block, whether wrapped
+in RecomputeGrad or recomputed in place."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from keras_mgpu._flavour import IS_TF_KERAS, keras, tf
-from keras_mgpu.layers import RecomputeGrad
+from keras_mgpu.layers import RecomputeGrad, apply_recompute
 
 STEPS = 5
 BATCH = 8
@@ -41,7 +42,7 @@ class ExecutionCounter(keras.layers.Layer):
         return input_shape
 
 
-def _model(wrap: bool):
+def _model(wrap: bool, in_place: bool = False):
     keras.utils.set_random_seed(3)
     block = keras.Sequential(
         [
@@ -53,13 +54,16 @@ def _model(wrap: bool):
         name="block",
     )
     inputs = keras.Input((6,))
-    hidden = RecomputeGrad(block)(inputs) if wrap else block(inputs)
+    use_wrapper = wrap and not in_place
+    hidden = (RecomputeGrad(block) if use_wrapper else block)(inputs)
     model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    if wrap and in_place:
+        apply_recompute(model, "block", in_place=True)
     model.compile(keras.optimizers.SGD(0.1), loss="mse")
     return model, block
 
 
-def fit_plain_and_wrapped(strategy) -> dict:
+def fit_plain_and_wrapped(strategy, in_place: bool = False) -> dict:
     """Fit the same model with and without the wrapper for STEPS steps."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(STEPS * BATCH, 6)).astype("float32")
@@ -67,7 +71,7 @@ def fit_plain_and_wrapped(strategy) -> dict:
     results = {}
     for wrap in (False, True):
         with strategy.scope():
-            model, block = _model(wrap)
+            model, block = _model(wrap, in_place)
         model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
         bn = block.layers[2]
         results[wrap] = {
@@ -87,8 +91,8 @@ def fit_plain_and_wrapped(strategy) -> dict:
     return {"plain": results[False], "wrapped": results[True]}
 
 
-def assert_updates_run_once(strategy) -> None:
-    result = fit_plain_and_wrapped(strategy)
+def assert_updates_run_once(strategy, in_place: bool = False) -> None:
+    result = fit_plain_and_wrapped(strategy, in_place)
     plain, wrapped = result["plain"], result["wrapped"]
     assert plain["count"] == STEPS
     assert wrapped["count"] == STEPS

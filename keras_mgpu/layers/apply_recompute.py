@@ -1,21 +1,36 @@
-"""`apply_recompute` / `strip_recompute`: wrap chosen layers of a model.
+"""`apply_recompute` / `strip_recompute`: recompute chosen layers of a model.
 
-In the manner of TFMOT's `prune_low_magnitude` / `strip_pruning`: the model
-is rebuilt (never modified in place) with the chosen layers wrapped in
-`RecomputeGrad`, weights carried over; `strip_recompute` is the inverse.
+Two modes. `in_place=True` switches the chosen layers, anywhere in the layer
+tree (nested functional models, keras-hub backbones inside task or user
+models, subclassed models' attributes), to recompute in the backward pass:
+the model keeps its class, config, weights and seed states
+(`recompute_in_place`). `in_place=False` (the default, as in 0.1) rebuilds a
+Sequential or functional model with its own chosen layers wrapped in
+`RecomputeGrad`, in the manner of TFMOT's `prune_low_magnitude` (`_rebuild`).
+`strip_recompute` undoes either.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, Union
-
-import numpy as np
 
 from keras_mgpu._flavour import IS_TF_KERAS, check_flavour, keras
 from keras_mgpu._validation import check_choice
+from keras_mgpu.layers import _rebuild
+from keras_mgpu.layers._recompute_engine import check_replayable
 from keras_mgpu.layers.recompute_grad import RecomputeGrad
+from keras_mgpu.layers.recompute_in_place import (
+    graph_of,
+    is_recomputed_in_place,
+    recompute_layer_in_place,
+    recompute_segments_in_place,
+    reset_compiled_functions,
+    restore_graph,
+    restore_layer,
+    sqrt_segments,
+    units_of,
+)
 
 LayerSelector = Union[
     None,
@@ -26,48 +41,121 @@ LayerSelector = Union[
 ]
 
 POLICIES = ("per_layer", "sqrt")
-SEGMENT_PREFIX = "recompute_segment"
+SEGMENT_PREFIX = _rebuild.SEGMENT_PREFIX
 
 
-def _is_functional(model: Any) -> bool:
-    """True for a functional (graph) model, False for a subclassed one.
+# ---------------------------------------------------------------------------
+# The layer tree.
+# ---------------------------------------------------------------------------
 
-    Keras 3.15 does not export its `Functional` class; tf_keras 2.x marks
-    graph networks with `_is_graph_network`. Both are private.
+
+def _sublayers(layer: Any) -> list:
+    """The layers `layer` tracks directly: a functional model's graph
+    layers, a subclassed model's or layer's attributes, a wrapper's layer.
+
+    `_flatten_layers` is private; Keras 3.15 and tf_keras 2.x both define it
+    with this signature.
     """
-    if IS_TF_KERAS:
-        return bool(getattr(model, "_is_graph_network", False))
-    from keras.src.models.functional import Functional
+    return list(layer._flatten_layers(include_self=False, recursive=False))
 
-    return isinstance(model, Functional)
+
+def _walk(root: Any) -> Iterator[Any]:
+    """Every layer under `root` (not `root`), depth first, each once."""
+    seen = {id(root)}
+    stack = list(reversed(_sublayers(root)))
+    while stack:
+        layer = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        yield layer
+        stack.extend(reversed(_sublayers(layer)))
+
+
+def _choose_in_place(root: Any, match: Callable[[Any], bool]) -> list:
+    """The outermost matching layers under `root`.
+
+    Never descends into a chosen layer, a `RecomputeGrad` wrapper or a layer
+    already recomputed in place (those are kept as they are); input layers
+    are never chosen.
+    """
+    chosen, seen = [], {id(root)}
+
+    def visit(layer: Any) -> None:
+        for sub in _sublayers(layer):
+            if id(sub) in seen:
+                continue
+            seen.add(id(sub))
+            if (
+                _rebuild.is_input_layer(sub)
+                or isinstance(sub, RecomputeGrad)
+                or is_recomputed_in_place(sub)
+            ):
+                continue
+            if match(sub):
+                chosen.append(sub)
+            else:
+                visit(sub)
+
+    visit(root)
+    return chosen
+
+
+def _graphs(root: Any) -> list:
+    """Every Keras 3 functional graph in the tree, `root`'s included."""
+    graphs, seen = [], set()
+    for layer in [root, *_walk(root)]:
+        graph = graph_of(layer)
+        if graph is not None and id(graph) not in seen:
+            seen.add(id(graph))
+            graphs.append(graph)
+    return graphs
+
+
+# ---------------------------------------------------------------------------
+# Arguments.
+# ---------------------------------------------------------------------------
 
 
 def _check_model(model: Any, function: str) -> None:
     check_flavour(model, "model")
     if not isinstance(model, keras.Model):
         raise TypeError(
-            f"`{function}` expects a Sequential or functional keras.Model "
-            "as argument `model`. Received: "
-            f"model={model!r} (of type {type(model).__name__})"
+            f"`{function}` expects a keras.Model as argument `model`. "
+            f"Received: model={model!r} (of type {type(model).__name__})"
         )
-    if not isinstance(model, keras.Sequential) and not _is_functional(model):
+
+
+def _check_rebuildable(model: Any, function: str) -> None:
+    if not isinstance(model, keras.Sequential) and not _rebuild.is_functional(
+        model
+    ):
         raise ValueError(
             f"`{function}` cannot rebuild a subclassed model: its layers "
-            "are wired in Python code, not in a graph it can clone. Wrap the "
+            "are wired in Python code, not in a graph it can clone. Pass "
+            "in_place=True to recompute its layers in place, or wrap the "
             "blocks yourself with `keras_mgpu.RecomputeGrad(block)` inside "
             "the model. Received: "
             f"model={model.name!r} (of type {type(model).__name__})"
         )
 
 
-def _clone_layer(layer: Any) -> Any:
-    # What keras.models.clone_model does by default: a fresh layer from the
-    # config; weights are copied model-wide afterwards.
-    return layer.__class__.from_config(layer.get_config())
+def _check_class_kept(model: Any, new_model: Any, function: str) -> None:
+    if type(new_model) is not type(model):
+        raise ValueError(
+            f"`{function}` would rebuild model {model.name!r} as a plain "
+            f"{type(new_model).__name__}, losing its class "
+            f"{type(model).__name__} (its config, presets and task models "
+            "built on it). Pass in_place=True to recompute its layers "
+            f"without rebuilding it. Received: model={model.name!r} (of "
+            f"type {type(model).__name__})"
+        )
 
 
-def _matcher(layers: LayerSelector, model: Any) -> Callable[[Any], bool]:
-    """Turn the `layers` argument into a predicate over the model's layers."""
+def _matcher(
+    layers: LayerSelector, known: set, owner: str, nested: set = frozenset()
+) -> Callable[[Any], bool]:
+    """Turn the `layers` argument into a predicate over layers."""
     if layers is None:
         return lambda layer: True
     if isinstance(layers, (str, type)) or (
@@ -96,13 +184,20 @@ def _matcher(layers: LayerSelector, model: Any) -> Callable[[Any], bool]:
                 "classes or predicates `fn(layer) -> bool`. Received: "
                 f"layers={layers!r} with item {item!r}"
             )
-    known = {layer.name for layer in model.layers}
     unknown = sorted(names - known)
     if unknown:
+        listed = sorted(known)
+        more = f" and {len(listed) - 40} more" if len(listed) > 40 else ""
+        hint = ""
+        if set(unknown) <= nested:
+            hint = (
+                " They are nested inside sub-models; the rebuild only "
+                "reaches the model's own layers: pass in_place=True."
+            )
         raise ValueError(
-            f"Argument `layers` names layers that model {model.name!r} does "
-            f"not have: {unknown}. Its layers are: {sorted(known)}. "
-            f"Received: layers={layers!r}"
+            f"Argument `layers` names layers that model {owner!r} does "
+            f"not have: {unknown}. Its layers are: {listed[:40]}{more}."
+            f"{hint} Received: layers={layers!r}"
         )
 
     def match(layer: Any) -> bool:
@@ -115,160 +210,9 @@ def _matcher(layers: LayerSelector, model: Any) -> Callable[[Any], bool]:
     return match
 
 
-def _is_input_layer(layer: Any) -> bool:
-    return isinstance(layer, keras.layers.InputLayer)
-
-
-def _inbound_histories(layer_config: dict) -> list[list[str]]:
-    """Per inbound node, the names of the layers feeding it (config format)."""
-    nodes = layer_config.get("inbound_nodes") or []
-    result = []
-    for node in nodes:
-        names: list[str] = []
-        if IS_TF_KERAS:
-            # tf_keras 2.x: node = [[layer_name, node_index, tensor_index,
-            # kwargs], ...]
-            for entry in node:
-                names.append(entry[0])
-        else:
-            _collect_histories(node, names)
-        result.append(names)
-    return result
-
-
-def _collect_histories(obj: Any, names: list[str]) -> None:
-    # Keras 3 config: tensors are {"class_name": "__keras_tensor__",
-    # "config": {..., "keras_history": [name, node_index, tensor_index]}}.
-    if isinstance(obj, dict):
-        history = obj.get("config", {}) if obj.get("class_name") else None
-        if isinstance(history, dict) and "keras_history" in history:
-            names.append(history["keras_history"][0])
-            return
-        for value in obj.values():
-            _collect_histories(value, names)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _collect_histories(value, names)
-
-
-def _chain_layers(model: Any) -> list | None:
-    """The model's non-input layers in order if it is a plain chain."""
-    if isinstance(model, keras.Sequential):
-        return [layer for layer in model.layers if not _is_input_layer(layer)]
-    if len(model.inputs) != 1 or len(model.outputs) != 1:
-        return None
-    config = model.get_config()
-    previous = None
-    ordered = []
-    by_name = {layer.name: layer for layer in model.layers}
-    for layer_config in config["layers"]:
-        name = layer_config["config"]["name"]
-        histories = _inbound_histories(layer_config)
-        if previous is None:
-            if histories:  # first layer must be the input
-                return None
-        elif histories != [[previous]]:
-            return None
-        if previous is not None:
-            ordered.append(by_name[name])
-        previous = name
-    output_names = [layer[0] for layer in _output_layer_names(config)]
-    if output_names != [previous]:
-        return None
-    return ordered
-
-
-def _output_layer_names(config: dict) -> list:
-    outputs = config["output_layers"]
-    if outputs and isinstance(outputs[0], str):  # a single [name, i, j]
-        return [outputs]
-    return outputs
-
-
-def _rebuild_chain(model: Any, new_layers: list, name: str) -> Any:
-    """A model of the same kind as `model` running `new_layers` in order."""
-    if isinstance(model, keras.Sequential):
-        input_shape = None
-        if model.inputs:
-            input_shape = tuple(model.inputs[0].shape[1:])
-        stack = []
-        if input_shape is not None:
-            stack.append(
-                keras.Input(
-                    shape=input_shape,
-                    dtype=model.inputs[0].dtype,
-                    name=model.layers[0].name
-                    if model.layers and _is_input_layer(model.layers[0])
-                    else None,
-                )
-            )
-        return keras.Sequential(stack + new_layers, name=name)
-    source = model.inputs[0]
-    input_name = next(
-        (layer.name for layer in model.layers if _is_input_layer(layer)), None
-    )
-    inputs = keras.Input(
-        shape=tuple(source.shape[1:]), dtype=source.dtype, name=input_name
-    )
-    outputs = inputs
-    for layer in new_layers:
-        outputs = layer(outputs)
-    return keras.Model(inputs, outputs, name=name)
-
-
-def _is_container(layer: Any) -> bool:
-    """A `Sequential` or functional model: its weights are its layers'."""
-    if isinstance(layer, keras.Sequential):
-        return True
-    return any(k.__name__ == "Functional" for k in type(layer).__mro__)
-
-
-def _weight_units(layer: Any) -> list:
-    """The layers that own weights, in order, seen through the wrappers and
-    containers that `apply_recompute` / `strip_recompute` add or remove.
-
-    Carrying weights unit by unit (not over `model.weights` as a flat list)
-    keeps them right when a rebuild changes how a container orders its
-    weights: a tf_keras wrapper lists every trainable weight of its block
-    before the non-trainable ones, the unwrapped block lists them layer by
-    layer.
-    """
-    if isinstance(layer, RecomputeGrad):
-        return _weight_units(layer.layer)
-    if _is_container(layer):
-        units = []
-        for sub in layer.layers:
-            if not _is_input_layer(sub):
-                units.extend(_weight_units(sub))
-        return units
-    return [layer] if layer.weights else []
-
-
-def _carry_weights(source: Any, target: Any) -> None:
-    if not source.built:
-        return
-    sources, targets = _weight_units(source), _weight_units(target)
-    if len(sources) != len(targets):
-        raise ValueError(  # pragma: no cover - a bug, not user input
-            f"Rebuilding model {source.name!r} changed its layers "
-            f"({len(sources)} layers with weights became {len(targets)}); "
-            "cannot carry the weights over."
-        )
-    for old, new in zip(sources, targets, strict=True):
-        # `weights`, not `get_weights()`: TFMOT's pruning wrapper leaves its
-        # mask, threshold and step out of `get_weights()`.
-        weights = [np.asarray(w.numpy()) for w in old.weights]
-        shapes = [tuple(w.shape) for w in new.weights]
-        if type(old) is not type(new) or shapes != [w.shape for w in weights]:
-            raise ValueError(  # pragma: no cover - a bug, not user input
-                f"Rebuilding model {source.name!r} changed layer "
-                f"{old.name!r} ({type(old).__name__}, weight shapes "
-                f"{[w.shape for w in weights]}) into {new.name!r} "
-                f"({type(new).__name__}, {shapes}); cannot carry the "
-                "weights over."
-            )
-        for variable, value in zip(new.weights, weights, strict=True):
-            variable.assign(value)
+# ---------------------------------------------------------------------------
+# Public API.
+# ---------------------------------------------------------------------------
 
 
 def apply_recompute(
@@ -276,137 +220,257 @@ def apply_recompute(
     layers: LayerSelector = None,
     *,
     policy: str = "per_layer",
+    in_place: bool = False,
+    group_by: Callable[[Any], Hashable] | None = None,
 ) -> Any:
-    """Return a clone of `model` with chosen layers wrapped in `RecomputeGrad`.
+    """Recompute the activations of chosen layers of `model` in backprop.
 
-    The model is rebuilt (`keras.models.clone_model` for `"per_layer"`), its
-    weights are carried over, and the original is left untouched. Compile
-    the result before training (optimizer state is not carried). Layers that
-    are already `RecomputeGrad` wrappers are kept as they are.
+    With `in_place=True`, the chosen layers (anywhere in the layer tree:
+    inside nested functional models, keras-hub backbones, subclassed models'
+    attributes) are switched to recompute in the backward pass and `model`
+    itself is returned: its class, config, weights, seed states, `.keras`
+    file and keras-hub presets stay those of the plain model (the switch is
+    not saved; apply it again after loading). The outermost matching layers
+    are chosen; layers already recomputed are kept as they are. The model's
+    traced train/test/predict functions are dropped so the next `fit`
+    traces the switch. Forward outputs and gradients are bit-identical to
+    the plain model's, dropout included (seed states are replayed).
+
+    With `in_place=False` (the default, as in 0.1), a Sequential or
+    functional `model` is rebuilt with its own chosen layers wrapped in
+    `RecomputeGrad` and the rebuilt model is returned (the original is left
+    untouched; compile it before training). Only the model's top-level
+    layers can be chosen; a subclassed model, or one whose class the rebuild
+    would lose (a keras-hub backbone), is refused, pointing to
+    `in_place=True`.
 
     Policies:
-    - `"per_layer"`: each chosen layer (a block: a layer, a `Sequential` or
-      functional sub-model) is wrapped on its own. Saves the activations
-      inside each block; the blocks' outputs are still stored.
-    - `"sqrt"`: for a sequential stack (a `Sequential` model, or a
-      functional model whose layers form a single chain) of n chosen blocks,
-      consecutive chosen blocks are grouped into segments of
-      `ceil(sqrt(n))` and each segment is wrapped as one `Sequential`
-      named `recompute_segment_<k>`. Only segment boundaries are stored in
-      the forward pass and one segment is recomputed at a time: O(sqrt(n))
-      activation memory for one extra forward pass (Chen et al., 2016).
+    - `"per_layer"`: each chosen layer (a block: a transformer layer, a
+      `Sequential` or functional sub-model) is recomputed on its own; its
+      inputs are stored, the activations inside it are not. With `group_by`
+      (in place, Keras 3), chosen layers of one functional graph that run
+      one after another and have the same key are recomputed as one unit:
+      the residual blocks or stages of a flat model such as
+      `keras.applications.ResNet50`.
+    - `"sqrt"`: consecutive units (chosen layers, or `group_by` groups) are
+      grouped into segments of `ceil(sqrt(n))` and each segment is
+      recomputed as one unit: only segment boundaries are stored and one
+      segment is recomputed at a time (Chen et al., 2016). Rebuild: the
+      model must be a single-input chain; segments become `Sequential`
+      blocks named `recompute_segment_<k>`. In place (Keras 3): within any
+      functional graph of the tree, side inputs allowed (a decoder stack fed
+      a padding mask); n counts the units of that graph.
 
     Args:
-        model: a `Sequential` or functional `keras.Model`. Subclassed models
-            are rejected (wrap their blocks with `RecomputeGrad` directly).
-        layers: which layers to wrap (default None: every layer but the
-            inputs). A layer name, a layer class (matched with
-            `isinstance`), a predicate `fn(layer) -> bool`, or a list mixing
-            those (a layer is chosen when any item matches).
+        model: a `keras.Model`. `in_place=False`: Sequential or functional.
+        layers: which layers to choose (default None: every layer of the
+            model's top level but the inputs). A layer name, a layer class
+            (matched with `isinstance`), a predicate `fn(layer) -> bool`, or
+            a list mixing those (a layer is chosen when any item matches).
+            In place, names may be those of nested layers.
         policy: str, `"per_layer"` (default) or `"sqrt"`.
+        in_place: bool, default False. Switch the layers of `model` itself
+            instead of returning a rebuilt model.
+        group_by: optional `fn(layer) -> key` (in place only). Chosen layers
+            with a key other than None are grouped as described above;
+            layers it maps to None are not chosen.
 
     Returns:
-        A new model of the same kind.
+        `model` itself (`in_place=True`) or a new model of the same class.
 
     Example:
 
     ```python
-    blocks = [keras.layers.Dense(64, activation="relu") for _ in range(16)]
-    model = keras.Sequential([keras.Input((64,)), *blocks])
-    remat = keras_mgpu.apply_recompute(model, policy="sqrt")  # 4 segments
-    remat.compile("adam", "mse")
-    plain = keras_mgpu.strip_recompute(remat)
+    import keras_hub
+    backbone = keras_hub.models.BertBackbone(...)       # or .from_preset
+    classifier = build_classifier(backbone)            # a user model
+    keras_mgpu.apply_recompute(
+        classifier, keras_hub.layers.TransformerEncoder, in_place=True
+    )
+    classifier.compile("adam", "sparse_categorical_crossentropy")
+    keras_mgpu.strip_recompute(classifier)              # back to plain
+
+    resnet = keras.applications.ResNet50(weights=None)
+    keras_mgpu.apply_recompute(                          # per stage
+        resnet, in_place=True, group_by=lambda l: l.name.split("_")[0]
+    )
     ```
     """
     _check_model(model, "apply_recompute")
     policy = check_choice(policy, "policy", POLICIES)
-    match = _matcher(layers, model)
+    if not isinstance(in_place, bool):
+        raise TypeError(
+            "Argument `in_place` must be a bool. Received: "
+            f"in_place={in_place!r} (of type {type(in_place).__name__})"
+        )
+    if group_by is not None and not callable(group_by):
+        raise TypeError(
+            "Argument `group_by` must be None or a function `fn(layer) -> "
+            f"key`. Received: group_by={group_by!r} (of type "
+            f"{type(group_by).__name__})"
+        )
+    if group_by is not None and not in_place:
+        raise ValueError(
+            "Argument `group_by` groups layers of a functional graph in "
+            "place; pass in_place=True. Received: group_by="
+            f"{group_by!r}, in_place=False"
+        )
+    if in_place:
+        return _apply_in_place(model, layers, policy, group_by)
+    return _apply_rebuild(model, layers, policy)
+
+
+def _apply_in_place(
+    model: Any, layers: LayerSelector, policy: str, group_by: Callable | None
+) -> Any:
+    known = {layer.name for layer in _walk(model)}
+    match = _matcher(layers, known, model.name)
+    if layers is None:
+        top = {id(layer) for layer in _sublayers(model)}
+        match = lambda layer: id(layer) in top  # noqa: E731
+    if group_by is not None:
+        selected = match
+        match = lambda layer: selected(layer) and group_by(layer) is not None  # noqa: E731
+    chosen = _choose_in_place(model, match)
+    if not chosen:
+        raise ValueError(
+            f"No layer of model {model.name!r} matched argument `layers` "
+            "(input layers, RecomputeGrad wrappers, layers already "
+            "recomputed in place and layers `group_by` maps to None are "
+            f"never chosen). Received: layers={layers!r}"
+        )
+    for layer in chosen:
+        check_replayable(
+            layer,
+            f"Layer {layer.name!r}, chosen by argument `layers`,",
+            f"layers={layers!r}",
+        )
+    for layer in chosen:
+        # A chosen block recomputes everything inside it.
+        _restore_in_place(layer)
+    placed: set = set()
+    if policy == "sqrt" or group_by is not None:
+        placed = _apply_segments(model, chosen, policy, group_by)
+    for layer in chosen:
+        if id(layer) not in placed:
+            recompute_layer_in_place(layer)
+    reset_compiled_functions(model)
+    return model
+
+
+def _apply_segments(
+    model: Any, chosen: list, policy: str, group_by: Callable | None
+) -> set:
+    """Plan the recomputed segments of every functional graph of the tree;
+    the ids of the layers placed in a segment."""
+    if IS_TF_KERAS:
+        raise ValueError(
+            "Segments (policy='sqrt' or `group_by`) with in_place=True run "
+            "in a Keras 3 functional graph; under tf_keras use "
+            "in_place=False (a sequential stack) or policy='per_layer' "
+            f"without `group_by`. Received: policy={policy!r}, "
+            f"group_by={group_by!r}, in_place=True"
+        )
+    key = group_by if group_by is not None else id
+    placed: set = set()
+    for graph in _graphs(model):
+        members = {id(op) for op in graph.operations}
+        here = [
+            layer
+            for layer in chosen
+            if id(layer) in members and id(layer) not in placed
+        ]
+        units = units_of(graph, here, key)
+        if policy == "sqrt":
+            units = sqrt_segments(graph, units)
+        segments = [unit for unit in units if len(unit) > 1]
+        if segments:
+            recompute_segments_in_place(graph, segments)
+            placed.update(id(node.operation) for s in segments for node in s)
+    if policy == "sqrt" and not placed:
+        raise ValueError(
+            "policy='sqrt' found no run of chosen layers in model "
+            f"{model.name!r} to group: segments need layers of a functional "
+            "graph, each called once, running one after another (layers "
+            "called from a subclassed model's Python code are not). Use "
+            "policy='per_layer'. Received: policy='sqrt'"
+        )
+    return placed
+
+
+def _apply_rebuild(model: Any, layers: LayerSelector, policy: str) -> Any:
+    _check_rebuildable(model, "apply_recompute")
+    switched = [
+        layer for layer in _walk(model) if is_recomputed_in_place(layer)
+    ]
+    if switched:
+        raise ValueError(
+            f"Model {model.name!r} has layers recomputed in place "
+            f"({', '.join(repr(layer.name) for layer in switched[:5])}); a "
+            "rebuild would drop those switches. Call "
+            "`strip_recompute(model)` first, or pass in_place=True. "
+            "Received: in_place=False"
+        )
+    known = {layer.name for layer in model.layers}
+    nested = {layer.name for layer in _walk(model)}
+    match = _matcher(layers, known, model.name, nested)
 
     def chosen(layer: Any) -> bool:
         return (
-            not _is_input_layer(layer)
+            not _rebuild.is_input_layer(layer)
             and not isinstance(layer, RecomputeGrad)
             and match(layer)
         )
 
     if not any(chosen(layer) for layer in model.layers):
+        nested = _choose_in_place(model, match) if layers is not None else []
+        hint = ""
+        if nested:
+            names = ", ".join(repr(layer.name) for layer in nested[:3])
+            hint = (
+                f" {len(nested)} layers nested inside sub-models match "
+                f"({names}{', ...' if len(nested) > 3 else ''}); the rebuild "
+                "only reaches the model's own layers: pass in_place=True."
+            )
         raise ValueError(
             f"No layer of model {model.name!r} matched argument `layers` "
             "(input layers and layers already wrapped in RecomputeGrad are "
-            f"never chosen). Received: layers={layers!r}"
+            f"never chosen).{hint} Received: layers={layers!r}"
         )
-
     if policy == "per_layer":
-
-        def clone_function(layer: Any) -> Any:
-            new = _clone_layer(layer)
-            if not chosen(layer):
-                return new
-            return RecomputeGrad(new, name=f"recompute_{layer.name}")
-
-        new_model = keras.models.clone_model(
-            model, clone_function=clone_function
-        )
-        _carry_weights(model, new_model)
-        return new_model
-
-    chain = _chain_layers(model)
-    if chain is None:
-        raise ValueError(
-            "policy='sqrt' needs a sequential stack: a Sequential model or a "
-            "functional model with one input, one output and each layer fed "
-            f"by the previous one. Model {model.name!r} is not; choose its "
-            "blocks with `layers=` and policy='per_layer'. Received: "
-            "policy='sqrt'"
-        )
-    count = sum(1 for layer in chain if chosen(layer))
-    size = max(1, math.ceil(math.sqrt(count)))
-    new_layers: list = []
-    run: list = []
-    segment_index = [0]
-
-    def flush() -> None:
-        if not run:
-            return
-        clones = [_clone_layer(layer) for layer in run]
-        if len(clones) == 1:
-            new_layers.append(
-                RecomputeGrad(clones[0], name=f"recompute_{clones[0].name}")
-            )
-        else:
-            name = f"{SEGMENT_PREFIX}_{segment_index[0]}"
-            segment = keras.Sequential(clones, name=name)
-            new_layers.append(RecomputeGrad(segment, name=f"{name}_remat"))
-        segment_index[0] += 1
-        run.clear()
-
-    for layer in chain:
-        if chosen(layer):
-            run.append(layer)
-            if len(run) == size:
-                flush()
-        else:
-            flush()
-            new_layers.append(_clone_layer(layer))
-    flush()
-    new_model = _rebuild_chain(model, new_layers, model.name)
-    _carry_weights(model, new_model)
+        new_model = _rebuild.rebuild_per_layer(model, chosen)
+    else:
+        new_model = _rebuild.rebuild_sqrt(model, chosen)
+    _check_class_kept(model, new_model, "apply_recompute")
     return new_model
 
 
-def strip_recompute(model: Any) -> Any:
-    """Return a clone of `model` with every `RecomputeGrad` unwrapped.
+def _restore_in_place(root: Any) -> bool:
+    """Switch every in-place recompute under and at `root` back."""
+    restored = False
+    for layer in [root, *_walk(root)]:
+        restored = restore_layer(layer) or restored
+        graph = graph_of(layer)
+        if graph is not None and restore_graph(graph):
+            restored = True
+    return restored
 
-    The inverse of `apply_recompute`: wrapped layers are replaced by (clones
-    of) the layers they wrap, segments made by `policy="sqrt"` are inlined
-    back into the stack, weights are carried over. Compile the result before
-    training.
+
+def strip_recompute(model: Any) -> Any:
+    """Undo `apply_recompute`.
+
+    Layers recomputed in place (anywhere in the tree) are switched back and
+    `model` itself is returned. `RecomputeGrad` wrappers, which only a
+    rebuild can remove, are unwrapped in a rebuilt clone of a Sequential or
+    functional model (segments made by `policy="sqrt"` are inlined back,
+    weights carried over; compile it before training), which is returned.
 
     Args:
-        model: a `Sequential` or functional `keras.Model`.
+        model: a `keras.Model`.
 
     Returns:
-        A new model of the same kind, without `RecomputeGrad` wrappers.
+        `model` (nothing to rebuild) or a rebuilt model of the same class
+        without `RecomputeGrad` wrappers.
 
     Example:
 
@@ -415,34 +479,43 @@ def strip_recompute(model: Any) -> Any:
     ```
     """
     _check_model(model, "strip_recompute")
-    chain = _chain_layers(model)
-    if chain is not None:
-        new_layers = []
-        for layer in chain:
-            if not isinstance(layer, RecomputeGrad):
-                new_layers.append(_clone_layer(layer))
-                continue
-            inner = layer.layer
-            if isinstance(inner, keras.Sequential) and inner.name.startswith(
-                SEGMENT_PREFIX
-            ):
-                new_layers.extend(
-                    _clone_layer(sub)
-                    for sub in inner.layers
-                    if not _is_input_layer(sub)
-                )
-            else:
-                new_layers.append(_clone_layer(inner))
-        new_model = _rebuild_chain(model, new_layers, model.name)
-    else:
-
-        def clone_function(layer: Any) -> Any:
-            if isinstance(layer, RecomputeGrad):
-                return _clone_layer(layer.layer)
-            return _clone_layer(layer)
-
-        new_model = keras.models.clone_model(
-            model, clone_function=clone_function
-        )
-    _carry_weights(model, new_model)
+    if _restore_in_place(model):
+        reset_compiled_functions(model)
+        if not any(isinstance(layer, RecomputeGrad) for layer in _walk(model)):
+            return model
+    _check_rebuildable(model, "strip_recompute")
+    new_model = _rebuild.rebuild_stripped(model)
+    _check_class_kept(model, new_model, "strip_recompute")
     return new_model
+
+
+def recomputed_layers(model: Any) -> list:
+    """The layers of `model` whose activations are recomputed in backprop.
+
+    Layers wrapped in `RecomputeGrad` and layers recomputed in place, in
+    layer-tree order; members of a `policy="sqrt"` segment included.
+
+    Args:
+        model: a Keras layer or model.
+
+    Returns:
+        A list of layers.
+
+    Example:
+
+    ```python
+    keras_mgpu.apply_recompute(model, MyBlock, in_place=True)
+    assert len(keras_mgpu.recomputed_layers(model)) == 12
+    ```
+    """
+    check_flavour(model, "model")
+    found = []
+    for layer in _walk(model):
+        if isinstance(layer, RecomputeGrad):
+            found.append(layer.layer)
+        elif is_recomputed_in_place(layer):
+            found.append(layer)
+    return found
+
+
+__all__ = ["apply_recompute", "recomputed_layers", "strip_recompute"]

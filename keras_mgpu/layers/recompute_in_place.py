@@ -1,0 +1,367 @@
+"""Switch layers of an existing model to recompute in place, and back.
+
+In the manner of Keras's own `RematScope`, which changes how chosen layers
+are *called* instead of rebuilding the model: the model keeps its class,
+config, weights, seed states and everything built on it (keras-hub task
+models and presets, `.keras` files). Two switches, both undone by
+`restore_in_place`:
+
+- per layer: the layer's `call` is replaced on the instance (Keras itself
+  wraps `build` per instance the same way) by one that runs the class's
+  `call` under `recompute` (see `_recompute_engine`);
+- per segment (`group_by=` or `policy="sqrt"`, Keras 3 functional graphs):
+  the graph runner of the functional model that calls the chosen layers
+  runs each segment (nodes consecutive in its execution order: a residual
+  block, a run of transformer layers) as one recomputed unit.
+
+Nothing of this is saved: `get_config`, `.keras` files and presets hold the
+model as it was, and load without keras_mgpu.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import threading
+import types
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
+
+from keras_mgpu._flavour import IS_TF_KERAS, keras
+from keras_mgpu.layers._recompute_engine import (
+    current_training,
+    in_symbolic_build,
+    recompute,
+)
+
+# Markers on switched objects (set with object.__setattr__, so neither Keras
+# flavour tracks them and `get_config` never sees them).
+_CALL_MARK = "_keras_mgpu_recompute"
+_SEGMENT_MARK = "_keras_mgpu_recompute_segment"
+_PLAN = "_keras_mgpu_recompute_segments"
+_RUNNER = "_run_through_graph"
+
+# Layers whose recomputation is running on this thread (replica threads of
+# MirroredStrategy trace and differentiate concurrently): their switched
+# `call` must run the plain `call` then.
+_local = threading.local()
+
+
+def _bypassed_ids() -> set:
+    if not hasattr(_local, "ids"):
+        _local.ids = set()
+    return _local.ids
+
+
+@contextlib.contextmanager
+def _bypass(layer: Any) -> Iterator[None]:
+    ids = _bypassed_ids()
+    ids.add(id(layer))
+    try:
+        yield
+    finally:
+        ids.discard(id(layer))
+
+
+# ---------------------------------------------------------------------------
+# Per layer: the instance's `call`.
+# ---------------------------------------------------------------------------
+
+
+def is_recomputed_in_place(layer: Any) -> bool:
+    """Whether `layer` is switched to recompute in place (alone or as part
+    of a recomputed segment)."""
+    call = layer.__dict__.get("call")
+    return bool(getattr(call, _CALL_MARK, False)) or (
+        layer.__dict__.get(_SEGMENT_MARK) is not None
+    )
+
+
+def _run_recomputed(layer: Any, class_call: Any, args, kwargs) -> Any:
+    original = functools.partial(class_call, layer)
+    if id(layer) in _bypassed_ids() or in_symbolic_build():
+        return original(*args, **kwargs)
+    # The forward runs inside the layer's `__call__` (autocast, call
+    # context); the recomputation goes through `__call__` again, with the
+    # `training` value the forward saw, and runs the plain `call` there.
+    training = kwargs["training"] if "training" in kwargs else None
+    if training is None:
+        training = current_training()
+
+    def forward(structure):
+        call_args, call_kwargs = structure
+        return original(*call_args, **call_kwargs)
+
+    def again(structure):
+        call_args, call_kwargs = structure
+        call_kwargs = dict(call_kwargs)
+        if call_kwargs.get("training") is None and training is not None:
+            call_kwargs["training"] = training
+        with _bypass(layer):
+            return layer(*call_args, **call_kwargs)
+
+    return recompute(forward, (list(args), dict(kwargs)), [layer], again)
+
+
+def _recomputed_call(class_call: Any) -> Any:
+    # `wraps`: `inspect.signature(layer.call)` stays the class's.
+    @functools.wraps(class_call)
+    def call(self, *args, **kwargs):
+        return _run_recomputed(self, class_call, args, kwargs)
+
+    setattr(call, _CALL_MARK, True)
+    return call
+
+
+def recompute_layer_in_place(layer: Any) -> None:
+    """Switch `layer`'s `call` to recompute in the backward pass."""
+    if is_recomputed_in_place(layer):
+        return
+    if "call" in layer.__dict__:
+        raise ValueError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) has its `call` "
+            "replaced on the instance by other code; recomputing it in place "
+            "would hide that replacement. Choose its sublayers instead."
+        )
+    # A bound method, like the class's `call` it stands for. (Copies of the
+    # model made through its config, `clone_model` and Keras 3's
+    # `copy.deepcopy`, are plain.)
+    method = types.MethodType(_recomputed_call(type(layer).call), layer)
+    object.__setattr__(layer, "call", method)
+
+
+def restore_layer(layer: Any) -> bool:
+    """Undo `recompute_layer_in_place`; True if there was something to undo."""
+    if not getattr(layer.__dict__.get("call"), _CALL_MARK, False):
+        return False
+    del layer.__dict__["call"]
+    return True
+
+
+# ---------------------------------------------------------------------------
+# Per segment: a functional model's graph runner (Keras 3 only).
+# ---------------------------------------------------------------------------
+
+
+def graph_of(container: Any) -> Any:
+    """The Keras 3 functional graph that runs `container`'s layers, or None.
+
+    Keras 3.15: a functional model is its own graph (`Function`, with
+    `_nodes_by_depth` and `_run_through_graph`); a built `Sequential` runs
+    the functional model in its `_functional` attribute. Both private.
+    """
+    if IS_TF_KERAS:
+        return None
+    from keras.src.ops.function import Function
+
+    if isinstance(container, keras.Sequential):
+        container = getattr(container, "_functional", None)
+    if isinstance(container, Function) and hasattr(
+        container, "_nodes_by_depth"
+    ):
+        return container
+    return None
+
+
+def _execution_order(graph: Any) -> list:
+    """The graph's nodes in the order Keras 3.15's `_run_through_graph`
+    visits them (deepest first)."""
+    nodes_by_depth = graph._nodes_by_depth
+    order = []
+    for depth in sorted(nodes_by_depth, reverse=True):
+        for node in nodes_by_depth[depth]:
+            if node.operation is not None and not node.is_input:
+                order.append(node)
+    return order
+
+
+def units_of(
+    graph: Any, chosen: Sequence[Any], key: Callable[[Any], Hashable]
+) -> list[list]:
+    """Runs of nodes of chosen layers, consecutive in execution order, whose
+    layers have the same `key`: the units a region of `graph` is recomputed
+    in (a residual block of a flat model, say).
+
+    A residual block or stage with one entry and one exit tensor is always
+    consecutive: Keras orders nodes by depth, and every node of the block
+    lies strictly between its entry and its exit. Only layers called once in
+    the graph take part.
+    """
+    order = _execution_order(graph)
+    chosen_ids = {id(layer) for layer in chosen}
+    calls: dict = {}
+    for node in order:
+        calls[id(node.operation)] = calls.get(id(node.operation), 0) + 1
+    units: list = []
+    run: list = []
+    run_key: Any = None
+    for node in order:
+        op = node.operation
+        if id(op) not in chosen_ids or calls[id(op)] != 1:
+            run = []
+            continue
+        node_key = key(op)
+        if run and node_key == run_key:
+            run.append(node)
+            continue
+        run, run_key = [node], node_key
+        units.append(run)
+    return units
+
+
+def sqrt_segments(graph: Any, units: list[list]) -> list[list]:
+    """Group adjacent units into segments of ceil(sqrt(len(units))) units
+    (Chen et al., 2016): only segment boundaries are stored."""
+    if not units:
+        return []
+    position = {id(node): i for i, node in enumerate(_execution_order(graph))}
+    size = math.ceil(math.sqrt(len(units)))
+    segments: list = []
+    current: list = []
+    count = 0
+    for unit in units:
+        adjacent = current and (
+            position[id(unit[0])] == position[id(current[-1])] + 1
+        )
+        if not adjacent or count == size:
+            if current:
+                segments.append(current)
+            current, count = [], 0
+        current = current + unit
+        count += 1
+    segments.append(current)
+    return segments
+
+
+def _exits(graph: Any, nodes: list) -> list:
+    """The tensors `nodes` produce that the rest of `graph` uses."""
+    inside = {id(node) for node in nodes}
+    used_outside = {id(x) for x in graph.outputs}
+    for node in _execution_order(graph):
+        if id(node) not in inside:
+            used_outside.update(id(x) for x in node.input_tensors)
+    return [x for node in nodes for x in node.outputs if id(x) in used_outside]
+
+
+def recompute_segments_in_place(graph: Any, segments: list[list]) -> None:
+    """Run each segment (consecutive nodes of `graph`) as one recomputed
+    unit from now on."""
+    plan = dict(graph.__dict__.get(_PLAN, {}))
+    for nodes in segments:
+        for node in nodes:
+            restore_layer(node.operation)
+            object.__setattr__(node.operation, _SEGMENT_MARK, id(nodes[0]))
+        plan[id(nodes[0])] = (list(nodes), _exits(graph, nodes))
+    object.__setattr__(graph, _PLAN, plan)
+    if _RUNNER not in graph.__dict__:
+        runner = types.MethodType(_segmented_run_through_graph, graph)
+        object.__setattr__(graph, _RUNNER, runner)
+
+
+def restore_graph(graph: Any) -> list:
+    """Undo `recompute_segments_in_place`; the layers that were segment
+    members."""
+    plan = graph.__dict__.pop(_PLAN, None)
+    graph.__dict__.pop(_RUNNER, None)
+    members = []
+    for nodes, _ in (plan or {}).values():
+        for node in nodes:
+            node.operation.__dict__.pop(_SEGMENT_MARK, None)
+            members.append(node.operation)
+    return members
+
+
+def segment_plan(model: Any) -> list[list]:
+    """The layers of each recomputed segment of the functional graph that
+    runs `model`'s own layers (empty if none)."""
+    graph = graph_of(model)
+    plan = {} if graph is None else graph.__dict__.get(_PLAN, {})
+    return [[node.operation for node in nodes] for nodes, _ in plan.values()]
+
+
+def _segmented_run_through_graph(
+    self, inputs, operation_fn=lambda op: op, call_fn=None
+):
+    """Keras 3.15's `Function._run_through_graph`, with planned segments
+    run as one recomputed unit each (read from keras/src/ops/function.py;
+    the symbolic path with `call_fn` is left to Keras)."""
+    flat_inputs = keras.tree.flatten(inputs)
+    symbolic = any(isinstance(x, keras.KerasTensor) for x in flat_inputs)
+    if call_fn is not None or symbolic or in_symbolic_build():
+        return type(self)._run_through_graph(
+            self, inputs, operation_fn=operation_fn, call_fn=call_fn
+        )
+    plan = self.__dict__.get(_PLAN, {})
+    tensor_dict = {id(x): y for x, y in zip(self.inputs, flat_inputs)}
+    done: set = set()
+    for node in _execution_order(self):
+        if id(node) in done:
+            continue
+        if any(id(x) not in tensor_dict for x in node.input_tensors):
+            continue  # Not computable; Keras skips it too.
+        segment = plan.get(id(node))
+        if segment is None:
+            args, kwargs = node.arguments.fill_in(tensor_dict)
+            op = operation_fn(self._get_operation_for_node(node))
+            outputs = op(*args, **kwargs)
+            produced = node.outputs
+        else:
+            nodes, produced = segment
+            outputs = _run_segment(self, segment, tensor_dict, operation_fn)
+            done.update(id(n) for n in nodes)
+        for x, y in zip(produced, keras.tree.flatten(outputs)):
+            tensor_dict[id(x)] = y
+    output_tensors = []
+    for x in self.outputs:
+        if id(x) not in tensor_dict:  # pragma: no cover - Keras checked it
+            raise ValueError(f"Output {x} is not connected to `inputs`.")
+        output_tensors.append(tensor_dict[id(x)])
+    return keras.tree.pack_sequence_as(self._outputs_struct, output_tensors)
+
+
+def _run_segment(graph, segment, tensor_dict, operation_fn) -> list:
+    """Run a segment's nodes under one `recompute`; its exit tensors."""
+    nodes, exits = segment
+    produced = {id(x) for node in nodes for x in node.outputs}
+    external_ids = []
+    for node in nodes:
+        for x in node.input_tensors:
+            if id(x) not in produced and id(x) not in external_ids:
+                external_ids.append(id(x))
+    values = [tensor_dict[i] for i in external_ids]
+    layers = [node.operation for node in nodes]
+
+    def run(structure):
+        local = dict(zip(external_ids, structure, strict=True))
+        for node in nodes:
+            args, kwargs = node.arguments.fill_in(local)
+            op = operation_fn(graph._get_operation_for_node(node))
+            outputs = op(*args, **kwargs)
+            for x, y in zip(node.outputs, keras.tree.flatten(outputs)):
+                local[id(x)] = y
+        return [local[id(x)] for x in exits]
+
+    return recompute(run, values, layers)
+
+
+def reset_compiled_functions(model: Any) -> None:
+    """Drop `model`'s traced train/test/predict functions so the next `fit`
+    traces the switched calls (Keras caches them on the model)."""
+    for name in ("train_function", "test_function", "predict_function"):
+        if getattr(model, name, None) is not None:
+            setattr(model, name, None)
+
+
+__all__ = [
+    "sqrt_segments",
+    "units_of",
+    "graph_of",
+    "is_recomputed_in_place",
+    "recompute_layer_in_place",
+    "recompute_segments_in_place",
+    "reset_compiled_functions",
+    "restore_graph",
+    "restore_layer",
+    "segment_plan",
+]

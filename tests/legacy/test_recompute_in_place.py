@@ -1,0 +1,191 @@
+"""tf_keras: `apply_recompute(..., in_place=True)` switches chosen layers
+anywhere in the tree to recompute, per layer; blocks with random layers,
+`policy="sqrt"` and `group_by` are refused there (Keras 3 only).
+
+Reference: the same model built from the same seed without recompute.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from _training import assert_weights_close, regression_data
+from conftest import make_strategy
+
+from keras_mgpu._flavour import keras, tf
+from keras_mgpu.layers import (
+    RecomputeGrad,
+    apply_recompute,
+    recomputed_layers,
+    strip_recompute,
+)
+from keras_mgpu.optimizers import GradientAccumulationOptimizer
+
+X, Y = regression_data(48)
+
+
+class Counting(keras.layers.Layer):
+    """Identity that counts its executions (traces, under tf.function)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = 0
+
+    def call(self, inputs):
+        self.calls += 1
+        return inputs
+
+
+def nested_model(seed: int = 3) -> keras.Model:
+    """A user model around a functional sub-model holding `block`."""
+    keras.utils.set_random_seed(seed)
+    block = keras.Sequential(
+        [
+            keras.layers.Dense(8, activation="tanh"),
+            Counting(),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(6),
+        ],
+        name="block",
+    )
+    sub_inputs = keras.Input((6,))
+    sub = keras.Model(sub_inputs, block(sub_inputs), name="sub")
+    inputs = keras.Input((6,))
+    return keras.Model(inputs, keras.layers.Dense(1, name="head")(sub(inputs)))
+
+
+def step(model, compiled: bool) -> list:
+    def run(x):
+        with tf.GradientTape() as tape:
+            outputs = model(x, training=True)
+            loss = tf.reduce_sum(tf.square(outputs))
+        return outputs, tape.gradient(loss, model.trainable_variables)
+
+    if compiled:
+        run = tf.function(run)
+    outputs, grads = run(tf.constant(X[:16]))
+    return [
+        outputs.numpy(),
+        *[g.numpy() for g in grads],
+        *[v.numpy() for v in model.non_trainable_variables],
+    ]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "graph"])
+def test_nested_block_gradients_identical(compiled):
+    plain, model = nested_model(), nested_model()
+    assert apply_recompute(model, "block", in_place=True) is model
+    assert [layer.name for layer in recomputed_layers(model)] == ["block"]
+    counter = model.get_layer("sub").get_layer("block").layers[1]
+    counter.calls = 0
+    expected, actual = step(plain, compiled), step(model, compiled)
+    assert counter.calls == 2  # forward + recomputation
+    for a, e in zip(actual, expected, strict=True):
+        np.testing.assert_array_equal(a, e)
+    strip_recompute(model)
+    assert recomputed_layers(model) == []
+
+
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored_2"])
+def test_stateful_updates_run_once_per_step(strategy_name):
+    from _recompute_state import assert_updates_run_once
+
+    assert_updates_run_once(make_strategy(strategy_name), in_place=True)
+
+
+def test_keras_file_holds_the_plain_model(tmp_path):
+    model = nested_model()
+    apply_recompute(model, "block", in_place=True)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(
+        path, custom_objects={"Counting": Counting}
+    )
+    assert recomputed_layers(loaded) == []
+    np.testing.assert_allclose(
+        loaded.predict(X, verbose=0), model.predict(X, verbose=0), atol=1e-6
+    )
+
+
+def test_refusals():
+    inputs = keras.Input((6,))
+    noisy = keras.Sequential(
+        [keras.layers.Dense(4), keras.layers.Dropout(0.5)], name="noisy"
+    )
+    model = keras.Model(inputs, noisy(inputs))
+    with pytest.raises(
+        ValueError,
+        match=r"Layer 'noisy', chosen by argument `layers`, contains layers "
+        r"that draw random numbers \(dropout",
+    ):
+        apply_recompute(model, "noisy", in_place=True)
+    with pytest.raises(
+        ValueError, match=r"Argument `layer` contains layers that draw random"
+    ):
+        RecomputeGrad(noisy)
+    model = nested_model()
+    with pytest.raises(ValueError, match="under tf_keras use in_place=False"):
+        apply_recompute(model, "block", policy="sqrt", in_place=True)
+    with pytest.raises(ValueError, match="under tf_keras use in_place=False"):
+        apply_recompute(model, in_place=True, group_by=lambda layer: 0)
+
+
+def _pruned_fit(in_place: bool):
+    from keras_mgpu.callbacks.pruning_step_sync import PruningStepSync
+
+    sparsity = pytest.importorskip("tensorflow_model_optimization").sparsity
+    schedule = sparsity.keras.PolynomialDecay(
+        0.0, 0.75, begin_step=0, end_step=3, frequency=1
+    )
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(1234)
+    with make_strategy("mirrored_2").scope():
+        block = keras.Sequential(
+            [
+                sparsity.keras.prune_low_magnitude(
+                    keras.layers.Dense(16, activation="tanh"),
+                    pruning_schedule=schedule,
+                ),
+                sparsity.keras.prune_low_magnitude(
+                    keras.layers.Dense(16, activation="tanh"),
+                    pruning_schedule=schedule,
+                ),
+            ],
+            name="block",
+        )
+        inputs = keras.Input((X.shape[1],))
+        model = keras.Model(inputs, keras.layers.Dense(1)(block(inputs)))
+        if in_place:
+            apply_recompute(model, "block", in_place=True)
+        model.compile(
+            GradientAccumulationOptimizer(keras.optimizers.SGD(0.05), 3),
+            loss="mse",
+        )
+    model.fit(
+        X,
+        Y,
+        batch_size=4,
+        shuffle=False,
+        verbose=0,
+        callbacks=[PruningStepSync()],
+    )
+    return model, sparsity
+
+
+def test_pruned_block_recomputed_in_place_prunes_like_plain():
+    plain, _ = _pruned_fit(in_place=False)
+    model, sparsity = _pruned_fit(in_place=True)
+    assert [layer.name for layer in recomputed_layers(model)] == ["block"]
+    assert_weights_close(model.get_weights(), plain.get_weights())
+    masks = [
+        layer.pruning_vars[0][1].numpy()
+        for layer in model.get_layer("block").layers
+    ]
+    assert np.mean(masks[0] == 0) == pytest.approx(0.75, abs=0.02)
+    assert strip_recompute(model) is model
+    stripped = sparsity.keras.strip_pruning(model)
+    np.testing.assert_allclose(
+        stripped.predict(X, verbose=0), plain.predict(X, verbose=0), atol=1e-5
+    )
