@@ -33,6 +33,7 @@ _EXPORTS = {
 }
 _SUBMODULES = (
     "callbacks",
+    "compression",
     "distribute",
     "layers",
     "monitoring",
@@ -45,6 +46,7 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
     from keras_mgpu import (
         callbacks,  # noqa: F401
+        compression,  # noqa: F401
         distribute,  # noqa: F401
         layers,  # noqa: F401
         monitoring,  # noqa: F401
