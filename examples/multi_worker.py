@@ -1,18 +1,20 @@
-"""Multi-worker training: MultiWorkerMirroredStrategy, a custom training
-loop, `GradientAccumulationOptimizer`.
+"""Multi-worker training: Keras 3 `model.fit` under
+MultiWorkerMirroredStrategy with every keras_mgpu component, surviving a
+lost worker.
 
 Every worker is a process with its own `TF_CONFIG` (the cluster, and which
 task it is). Run without `TF_CONFIG`, this script launches a 2-worker
-cluster on 127.0.0.1 itself and prints each worker's `TF_CONFIG`: the same
-you would set on each machine of a real cluster (with their addresses) and
-run `python multi_worker.py` there.
+cluster on 127.0.0.1 itself and prints each worker's `TF_CONFIG`: on a real
+cluster, set the same on each machine (with their addresses, e.g. from your
+scheduler) and run `python multi_worker.py --backup-dir /shared/dir` there.
 
-Keras 3's `model.fit` fails under MultiWorkerMirroredStrategy
-(keras-team/keras#20585), so the loop is written out: `strategy.run`, a
-`GradientTape`, and the accumulating optimizer's `apply` on each
-micro-batch (it updates every `ACCUMULATION_STEPS` calls, all-reducing the
-accumulated gradient across every replica of every worker once). Under the
-tf_keras flavour (`TF_USE_LEGACY_KERAS=1`) `model.fit` itself works here.
+Keras 3's own `model.fit` fails under MultiWorkerMirroredStrategy
+(keras-team/keras#20585); one line, `enable_multi_worker_fit()`, fixes it.
+`BackupAndRestore` (keras_mgpu's: multi-worker safe) keeps the chief's
+backup on storage every worker reaches; `WorkerWatchdog` makes the others
+fail within its timeout, naming the worker, when one dies or stalls: then
+restart every worker with the same command and training resumes from the
+last epoch backup. `StragglerMonitor` logs each worker's step time.
 
 Run:
     python examples/multi_worker.py            # launches 2 local workers
@@ -36,6 +38,12 @@ parser.add_argument("--quick", action="store_true", help="tiny run")
 parser.add_argument("--epochs", type=int, default=None)
 parser.add_argument("--workers", type=int, default=2)
 parser.add_argument("--timeout", type=float, default=600.0)
+parser.add_argument(
+    "--backup-dir",
+    default=None,
+    help="BackupAndRestore folder every worker reaches (default: a "
+    "temporary folder, fine for the local cluster)",
+)
 args = parser.parse_args()
 
 PER_REPLICA_BATCH = 32
@@ -116,22 +124,28 @@ def launch_local_cluster():
 
 
 if "TF_CONFIG" not in os.environ:
+    if args.backup_dir is None:
+        # Chosen once, here: every local worker must see the same folder.
+        sys.argv += ["--backup-dir", tempfile.mkdtemp(prefix="backup_")]
     sys.exit(launch_local_cluster())
 
 # ----------------------------------------------------------------------
 # Worker: TF_CONFIG is set. The strategy comes first, before any other
 # TensorFlow call, so the collective runtime can start.
 # ----------------------------------------------------------------------
+import warnings  # noqa: E402
+
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
 import keras_mgpu  # noqa: E402
-from keras_mgpu._flavour import keras  # noqa: E402
+from keras_mgpu import callbacks  # noqa: E402
 from keras_mgpu.distribute import worker_info  # noqa: E402
-from keras_mgpu.schedules import Warmup, scaled_learning_rate  # noqa: E402
 
+keras_mgpu.distribute.enable_multi_worker_fit()  # keras-team/keras#20585
 info = worker_info(strategy)
 replicas = strategy.num_replicas_in_sync  # every worker's replicas
 
@@ -147,61 +161,28 @@ def make_data(samples, seed=0):
 x, y = make_data(SAMPLES)
 x_val, y_val = make_data(1024, seed=1)
 micro_batch = PER_REPLICA_BATCH * replicas  # one micro-step, whole cluster
-steps_per_epoch = len(x) // micro_batch
-
-
-def dataset_fn(context):
-    # Each worker reads its own shard and batches for its own replicas.
-    batch = context.get_per_replica_batch_size(micro_batch)
-    return (
-        tf.data.Dataset.from_tensor_slices((x, y))
-        .shard(context.num_input_pipelines, context.input_pipeline_id)
-        .shuffle(len(x), seed=0)
-        .batch(batch, drop_remainder=True)
-        .take(steps_per_epoch)  # the same number of steps on every worker
-    )
-
-
-distributed = strategy.distribute_datasets_from_function(dataset_fn)
+# Whole batches only: a partial last batch is weighted per replica by Keras.
+x, y = (
+    x[: len(x) // micro_batch * micro_batch],
+    y[: len(y) // micro_batch * micro_batch],
+)
 
 with strategy.scope():
     keras.utils.set_random_seed(0)  # the same initial weights everywhere
     inputs = keras.Input((32,))
     hidden = keras.layers.Dense(256, activation="relu")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(10)(hidden))
-    global_batch = keras_mgpu.global_batch_size(
-        PER_REPLICA_BATCH, accumulation_steps=ACCUMULATION_STEPS
-    )
-    optimizer = keras_mgpu.GradientAccumulationOptimizer(
-        keras.optimizers.Adam(
-            Warmup(
-                scaled_learning_rate(
-                    BASE_LEARNING_RATE, global_batch, BASE_BATCH_SIZE
-                ),
-                warmup_steps=steps_per_epoch // ACCUMULATION_STEPS,
-            )
+    model.compile(
+        optimizer=keras_mgpu.GradientAccumulationOptimizer(
+            keras.optimizers.Adam(BASE_LEARNING_RATE), ACCUMULATION_STEPS
         ),
-        ACCUMULATION_STEPS,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
     )
-    optimizer.build(model.trainable_variables)  # not inside the tf.function
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-
-@tf.function
-def train_step(batch):
-    def replica_step(xb, yb):
-        with tf.GradientTape() as tape:
-            # Keras 3 losses divide by the replicas in sync under a
-            # strategy: the replicas' gradients sum to the global mean.
-            loss = loss_fn(yb, model(xb, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)
-        return loss
-
-    losses = strategy.run(replica_step, args=batch)
-    return strategy.reduce("SUM", losses, axis=None)
-
-
+global_batch = keras_mgpu.global_batch_size(
+    PER_REPLICA_BATCH, strategy, model.optimizer
+)
 print(
     f"task {info['task_id']} of {info['num_workers']} workers"
     f"{' (chief)' if info['is_chief'] else ''}: {replicas} replicas, "
@@ -209,22 +190,34 @@ print(
     f"{ACCUMULATION_STEPS} accumulation",
     flush=True,
 )
-for epoch in range(EPOCHS):
-    total = 0.0
-    for batch in distributed:
-        total += float(train_step(batch))
-    # Every worker holds the same weights: evaluate locally.
-    logits = model(x_val, training=False)
-    accuracy = float(np.mean(np.argmax(logits, axis=1) == y_val))
-    if info["is_chief"]:
-        print(
-            f"epoch {epoch + 1}/{EPOCHS}: loss {total / steps_per_epoch:.4f}, "
-            f"validation accuracy {accuracy:.4f}",
-            flush=True,
-        )
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # the monitors' "no GPU here" notes
+    history = model.fit(
+        x,
+        y,
+        batch_size=micro_batch,  # global, as always under a strategy
+        epochs=EPOCHS,
+        validation_data=(x_val, y_val),
+        verbose=2 if info["is_chief"] else 0,
+        callbacks=[
+            callbacks.LearningRateScaler(
+                base_batch_size=BASE_BATCH_SIZE,
+                per_replica_batch_size=PER_REPLICA_BATCH,
+            ),
+            callbacks.LearningRateWarmup(warmup_epochs=1),
+            callbacks.MemoryMonitor(gather_workers=True),
+            callbacks.StragglerMonitor(),
+            callbacks.WorkerWatchdog(timeout=120),
+            callbacks.BackupAndRestore(args.backup_dir),
+        ],
+    )
 
+logs = history.history
+accuracy = float(logs["val_accuracy"][-1])
 print(
-    f"updates: {int(optimizer.iterations.numpy())}, final validation "
-    f"accuracy: {accuracy:.4f}",
+    f"updates: {int(model.optimizer.iterations.numpy())}, final validation "
+    f"accuracy: {accuracy:.4f}, slowest/fastest worker: "
+    f"{logs['workers/step_time_ratio'][-1]:.2f}, weights checksum: "
+    f"{sum(float(np.sum(w)) for w in model.get_weights()):.6f}",
     flush=True,
 )

@@ -25,19 +25,27 @@ _EXPORTS = {
     "GradientAccumulationOptimizer": "keras_mgpu.optimizers",
     "RecomputeGrad": "keras_mgpu.layers",
     "Warmup": "keras_mgpu.schedules",
+    "apply_placement": "keras_mgpu.placement",
     "apply_recompute": "keras_mgpu.layers",
+    "configure_batch": "keras_mgpu.batch_size",
+    "find_batch_size": "keras_mgpu.batch_size",
     "global_batch_size": "keras_mgpu.distribute",
     "num_replicas_in_sync": "keras_mgpu.distribute",
+    "plan_batch": "keras_mgpu.batch_size",
+    "placement_report": "keras_mgpu.placement",
     "scaled_learning_rate": "keras_mgpu.schedules",
+    "strip_placement": "keras_mgpu.placement",
     "strip_recompute": "keras_mgpu.layers",
 }
 _SUBMODULES = (
+    "batch_size",
     "callbacks",
     "compression",
     "distribute",
     "layers",
     "monitoring",
     "optimizers",
+    "placement",
     "schedules",
 )
 
@@ -45,15 +53,22 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
 if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
     from keras_mgpu import (
+        batch_size,  # noqa: F401
         callbacks,  # noqa: F401
         compression,  # noqa: F401
         distribute,  # noqa: F401
         layers,  # noqa: F401
         monitoring,  # noqa: F401
         optimizers,  # noqa: F401
+        placement,  # noqa: F401
         schedules,  # noqa: F401
     )
     from keras_mgpu._flavour import FLAVOUR  # noqa: F401
+    from keras_mgpu.batch_size import (
+        configure_batch,  # noqa: F401
+        find_batch_size,  # noqa: F401
+        plan_batch,  # noqa: F401
+    )
     from keras_mgpu.distribute import (
         global_batch_size,  # noqa: F401
         num_replicas_in_sync,  # noqa: F401
@@ -64,6 +79,11 @@ if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
         strip_recompute,  # noqa: F401
     )
     from keras_mgpu.optimizers import GradientAccumulationOptimizer  # noqa: F401
+    from keras_mgpu.placement import (
+        apply_placement,  # noqa: F401
+        placement_report,  # noqa: F401
+        strip_placement,  # noqa: F401
+    )
     from keras_mgpu.schedules import (
         Warmup,  # noqa: F401
         scaled_learning_rate,  # noqa: F401

@@ -67,31 +67,78 @@ def object_flavour(obj: object) -> str | None:
     return None
 
 
-def check_flavour(obj: object, argument: str) -> None:
-    """Raise a `TypeError` when `obj` belongs to the other Keras flavour."""
+def flavour_of(obj: object, default: str | None = None) -> str:
+    """The flavour of `obj` ("keras3" or "tf_keras"), or `default` (the
+    process's flavour when None) for objects of neither, e.g. a float."""
     found = object_flavour(obj)
-    if found is None or found == FLAVOUR:
+    if found in ("keras3", "tf_keras"):
+        return found
+    return default or FLAVOUR
+
+
+def keras_of(flavour: str):
+    """The Keras package of `flavour`: Keras 3 (`keras`) or `tf_keras`.
+
+    Both can serve one process: the components that take Keras objects
+    follow the objects (Ray Train sets TF_USE_LEGACY_KERAS=1 while user
+    code builds Keras 3 models).
+    """
+    if flavour == "keras3":
+        import keras as keras3
+
+        return keras3
+    if flavour == "tf_keras":
+        try:
+            import tf_keras
+        except ImportError as exc:  # pragma: no cover - depends on install
+            raise ImportError(
+                "A tf_keras object needs the `tf_keras` package. Install it "
+                'with: pip install "keras-mgpu[tfmot]"'
+            ) from exc
+        return tf_keras
+    raise ValueError(f"Unknown Keras flavour {flavour!r}")
+
+
+def check_flavour(
+    obj: object, argument: str, expected: str | None = None
+) -> None:
+    """Raise a `TypeError` when `obj` belongs to another Keras flavour than
+    `expected` (the process's flavour when None)."""
+    expected = expected or FLAVOUR
+    found = object_flavour(obj)
+    if found is None or found == expected:
         return
     hint = (
         f"unset {LEGACY_ENV_VAR} to use Keras 3"
-        if IS_TF_KERAS
+        if expected == "tf_keras"
         else f"set {LEGACY_ENV_VAR}=1 before importing keras_mgpu to use "
         "tf_keras"
     )
     raise TypeError(
         f"Argument `{argument}` is a {found} object ({type(obj).__name__}), "
-        f"but keras_mgpu was imported for the {FLAVOUR} flavour. Mixing Keras "
-        f"flavours is not supported: {hint}."
+        f"but this keras_mgpu component is built on {expected}. Mixing Keras "
+        f"flavours in one model is not supported: {hint}."
     )
 
 
-def register_serializable(cls):
-    """Register `cls` for (de)serialization under the package `keras_mgpu`."""
-    if IS_TF_KERAS:
-        return keras.utils.register_keras_serializable(package="keras_mgpu")(
-            cls
-        )
-    return keras.saving.register_keras_serializable(package="keras_mgpu")(cls)
+def register_serializable(cls, flavour: str | None = None):
+    """Register `cls` for (de)serialization under the package `keras_mgpu`,
+    in the registry of `flavour` (the process's flavour when None)."""
+    if (flavour or FLAVOUR) == "tf_keras":
+        return keras_of("tf_keras").utils.register_keras_serializable(
+            package="keras_mgpu"
+        )(cls)
+    return keras_of("keras3").saving.register_keras_serializable(
+        package="keras_mgpu"
+    )(cls)
+
+
+def register_in_every_flavour(cls):
+    """Register a class that serves both flavours in both registries."""
+    register_serializable(cls, "keras3")
+    if _tf_keras_if_installed() is not None:
+        register_serializable(cls, "tf_keras")
+    return cls
 
 
 def _tf_keras_if_installed():
@@ -104,6 +151,25 @@ def _tf_keras_if_installed():
     return tf_keras
 
 
+def _bases(path: str) -> tuple[type, ...]:
+    """`path` ("callbacks.Callback") in Keras 3, then in tf_keras when it
+    is installed."""
+    import operator
+
+    get = operator.attrgetter(path)
+    bases: list[type] = [get(keras_of("keras3"))]
+    tf_keras = _tf_keras_if_installed()
+    if tf_keras is not None:
+        bases.append(get(tf_keras))
+    return tuple(bases)
+
+
+def schedule_bases() -> tuple[type, ...]:
+    """Base classes of a learning-rate schedule that both flavours'
+    optimizers accept (each checks `isinstance` with its own class)."""
+    return _bases("optimizers.schedules.LearningRateSchedule")
+
+
 def callback_bases() -> tuple[type, ...]:
     """Base classes of a callback that runs in Keras 3 and tf_keras `fit`.
 
@@ -114,10 +180,4 @@ def callback_bases() -> tuple[type, ...]:
     whatever `TF_USE_LEGACY_KERAS` says (Ray Train sets it while user code
     builds Keras 3 models).
     """
-    import keras as keras3
-
-    bases: list[type] = [keras3.callbacks.Callback]
-    tf_keras = _tf_keras_if_installed()
-    if tf_keras is not None:
-        bases.append(tf_keras.callbacks.Callback)
-    return tuple(bases)
+    return _bases("callbacks.Callback")

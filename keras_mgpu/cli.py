@@ -2,7 +2,8 @@
 
 - `keras-mgpu demo` trains a small CNN on scikit-learn's digits under
   `MirroredStrategy` (the GPUs present, or logical CPU devices) with every
-  keras_mgpu component on, prints a summary table and writes a PNG report.
+  keras_mgpu component on, prints a summary table and writes a PNG report;
+  `--model-parallel` splits the CNN across the devices instead.
 - `keras-mgpu info` prints versions, devices, GPUs (through NVML) and which
   strategies work here.
 - `keras-mgpu report RUN.csv` draws the PNG report from a `CSVLogger` file.
@@ -26,6 +27,7 @@ import textwrap
 import time
 from collections.abc import Iterator, Sequence
 
+DEFAULT_BATCH_SIZE = 32  # the demo's per-replica micro-batch
 PROG = "keras-mgpu"
 MAX_CPU_DEVICES = 64
 
@@ -132,9 +134,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--batch-size",
         type=_int_type(1),
-        default=32,
+        default=None,
         metavar="N",
-        help="batch per replica and micro-step (default 32)",
+        help=f"batch per replica and micro-step (default {DEFAULT_BATCH_SIZE})",
+    )
+    demo.add_argument(
+        "--global-batch",
+        type=_int_type(1),
+        default=None,
+        metavar="N",
+        help=(
+            "examples per update: the largest micro-batch that fits in "
+            "memory is measured (keras_mgpu.configure_batch) and "
+            "accumulation makes up the rest; replaces --batch-size and "
+            "--accumulation-steps"
+        ),
+    )
+    demo.add_argument(
+        "--memory-budget-mb",
+        type=_positive_float,
+        default=None,
+        metavar="MB",
+        help=(
+            "with --global-batch: memory budget of one replica's training "
+            "step (default: 90%% of the device's memory)"
+        ),
     )
     demo.add_argument(
         "--accumulation-steps",
@@ -149,6 +173,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="E",
         help="length of the learning-rate warmup in epochs (default 2)",
+    )
+    demo.add_argument(
+        "--model-parallel",
+        action="store_true",
+        help=(
+            "split the CNN across the devices, one stage each "
+            "(keras_mgpu.apply_placement), instead of mirroring it; "
+            "needs 2 or more devices"
+        ),
+    )
+    demo.add_argument(
+        "--micro-batches",
+        type=_int_type(1, 1024),
+        default=None,
+        metavar="M",
+        help="with --model-parallel: pipeline each batch as M micro-batches",
     )
     demo.add_argument("--seed", type=_int_type(0), default=0, help="default 0")
     demo.add_argument(
@@ -295,8 +335,36 @@ def _check_demo_args(parser: argparse.ArgumentParser, args) -> None:
         demo_parser.error(
             "--accumulation-steps cannot be combined with --no-accumulation"
         )
+    if args.global_batch is not None:
+        for given, option in (
+            (args.batch_size, "--batch-size"),
+            (args.accumulation_steps, "--accumulation-steps"),
+            (None if args.accumulation else True, "--no-accumulation"),
+        ):
+            if given is not None:
+                demo_parser.error(
+                    f"--global-batch cannot be combined with {option} (the "
+                    "batch and accumulation come from the memory search)"
+                )
+    elif args.memory_budget_mb is not None:
+        demo_parser.error("--memory-budget-mb needs --global-batch")
     if not args.warmup and args.warmup_epochs is not None:
         demo_parser.error("--warmup-epochs cannot be combined with --no-warmup")
+    if args.micro_batches is not None and not args.model_parallel:
+        demo_parser.error("--micro-batches needs --model-parallel")
+    if args.model_parallel and args.devices == 1:
+        demo_parser.error("--model-parallel needs 2 or more devices")
+    if args.global_batch is not None and args.model_parallel:
+        demo_parser.error(
+            "--global-batch cannot be combined with --model-parallel (the "
+            "memory search probes one device, a placed model spans several)"
+        )
+    batch_size = args.batch_size or DEFAULT_BATCH_SIZE
+    if args.micro_batches is not None and args.micro_batches > batch_size:
+        demo_parser.error(
+            f"--micro-batches {args.micro_batches} is larger than --batch-size "
+            f"{batch_size}: each micro-batch needs an example"
+        )
     if args.output is not None and os.path.isfile(args.output):
         demo_parser.error(f"--output {args.output!r} is a file; give a folder")
 
@@ -377,7 +445,9 @@ def _train_demo(args, output: str) -> tuple:
     config = demo.DemoConfig(
         output_dir=output,
         epochs=args.epochs,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size or DEFAULT_BATCH_SIZE,
+        global_batch_size=args.global_batch,
+        memory_budget_mb=args.memory_budget_mb,
         accumulation=args.accumulation,
         accumulation_steps=args.accumulation_steps or 2,
         warmup=args.warmup,
@@ -386,15 +456,24 @@ def _train_demo(args, output: str) -> tuple:
         monitors=args.monitors,
         recompute=args.recompute,
         seed=args.seed,
+        model_parallel=args.model_parallel,
+        micro_batches=args.micro_batches or 1,
     )
+    if args.model_parallel and len(devices["devices"]) < 2:
+        raise CommandError(
+            "--model-parallel needs 2 or more devices; this machine gives "
+            f"{len(devices['devices'])}. Use --cpu --devices 2 to split the "
+            "CPU into logical devices."
+        )
     where = (
         f"{len(devices['devices'])} GPU(s)"
         if devices["kind"] == "GPU"
         else f"{len(devices['devices'])} logical CPU devices (no GPU used)"
     )
+    how = "split across" if args.model_parallel else "MirroredStrategy on"
     print(
         "keras-mgpu demo: a small CNN on scikit-learn's 8x8 digits "
-        f"(1437 train / 360 test images), MirroredStrategy on {where}.",
+        f"(1437 train / 360 test images), {how} {where}.",
         flush=True,
     )
     try:
@@ -449,6 +528,19 @@ def _nvml_lines() -> list[str]:
             pynvml.nvmlShutdown()
 
 
+def _multi_worker_fit_state() -> str:
+    import keras as keras3
+
+    from keras_mgpu.distribute import multi_worker_fit
+
+    if multi_worker_fit.keras_version_is_tested(keras3.version()):
+        return f"tested with this Keras, {keras3.version()}"
+    return (
+        f"not tested with Keras {keras3.version()}: it patches nothing and "
+        "warns"
+    )
+
+
 def _strategy_lines(
     is_tf_keras: bool, num_gpus: int, num_cpu_devices: int
 ) -> list[str]:
@@ -476,8 +568,10 @@ def _strategy_lines(
     else:
         lines += [
             "  MultiWorkerMirroredStrategy  model.fit fails in Keras 3 "
-            "(keras#20585); a custom loop with strategy.run works "
-            "(examples/multi_worker.py)",
+            "(keras#20585) unless you call "
+            "keras_mgpu.distribute.enable_multi_worker_fit() first "
+            f"({_multi_worker_fit_state()}; examples/multi_worker.py); add "
+            "callbacks.BackupAndRestore, WorkerWatchdog, StragglerMonitor",
             "  ParameterServerStrategy      not with Keras 3 model.fit (no "
             "DatasetCreator); use tf_keras (TF_USE_LEGACY_KERAS=1)",
         ]

@@ -1,5 +1,6 @@
 """The `keras-mgpu demo` training recipe: a small CNN on scikit-learn's 8x8
-digits under `MirroredStrategy`, with every keras_mgpu component on.
+digits under `MirroredStrategy` (or, with `model_parallel`, split across
+the devices by `apply_placement`), with every keras_mgpu component on.
 
 Kept apart from the command line (`keras_mgpu.cli`) so that the recipe reads
 as one example of using the pack: gradient accumulation
@@ -41,6 +42,10 @@ class DemoConfig:
     output_dir: str
     epochs: int = 10
     batch_size: int = 32  # per replica, per micro-step
+    # When set, batch_size and accumulation_steps come from the memory
+    # search (`keras_mgpu.configure_batch`).
+    global_batch_size: int | None = None
+    memory_budget_mb: float | None = None
     accumulation_steps: int = 2
     accumulation: bool = True
     warmup: bool = True
@@ -50,6 +55,10 @@ class DemoConfig:
     recompute: bool = True
     seed: int = 0
     progress: bool = True
+    # Split the model across the devices (apply_placement) instead of
+    # mirroring it; micro_batches > 1 pipelines it.
+    model_parallel: bool = False
+    micro_batches: int = 1
 
 
 def configure_devices(
@@ -365,6 +374,11 @@ def _compiled_model(config: DemoConfig, strategy: Any) -> tuple[Any, int]:
     steps = config.accumulation_steps if config.accumulation else 1
     with strategy.scope():
         model = build_model(recompute=config.recompute)
+        if config.model_parallel:
+            from keras_mgpu.placement import apply_placement
+
+            # The devices configure_devices left visible, one stage each.
+            model = apply_placement(model, micro_batches=config.micro_batches)
         optimizer = keras.optimizers.Adam(BASE_LEARNING_RATE)
         if config.accumulation:
             optimizer = GradientAccumulationOptimizer(optimizer, steps)
@@ -377,6 +391,61 @@ def _compiled_model(config: DemoConfig, strategy: Any) -> tuple[Any, int]:
             config.batch_size, strategy, accumulation_steps=steps
         )
     return model, examples_per_update
+
+
+def _batch_by_memory(
+    config: DemoConfig, strategy: Any, data: tuple
+) -> tuple[DemoConfig, dict]:
+    """`config` with the per-replica batch and accumulation steps that
+    reach `config.global_batch_size` with the largest micro-batch that
+    fits (`configure_batch`, which prints why), and what it found."""
+    from keras_mgpu import configure_batch
+
+    x_train, y_train = data[0], data[1]
+    replicas = strategy.num_replicas_in_sync
+    if config.global_batch_size > len(x_train):
+        raise ValueError(
+            f"--global-batch {config.global_batch_size} is larger than the "
+            f"{len(x_train)} training images: use at most {len(x_train)}"
+        )
+    plain = dataclasses.replace(config, accumulation=False)
+    model, _ = _compiled_model(plain, strategy)
+    setup = configure_batch(
+        model,
+        (x_train, y_train),
+        config.global_batch_size,
+        base_batch_size=BASE_BATCH_SIZE if config.scaling else None,
+        memory_budget_mb=config.memory_budget_mb,
+        # One step of every replica must fit in the training set.
+        max_batch_size=len(x_train) // replicas,
+        strategy=strategy,
+        verbose=int(config.progress),
+    )
+    # The probe model drew initial weights: the trained one starts from
+    # the same ones as without the search.
+    keras.utils.set_random_seed(config.seed)
+    steps = setup.accumulation_steps
+    search = setup.search
+    found = {
+        "largest_batch_size": search.batch_size,
+        "peak_mb": search.peak_mb,
+        "measured_peak_mb": search.measured_peak_mb,
+        "budget_mb": search.budget_mb,
+        "budget_source": search.budget_source,
+        "fixed_mb": search.fixed_mb,
+        "per_sample_mb": search.per_sample_mb,
+        "search_seconds": search.search_seconds,
+        "explanation": setup.explanation,
+    }
+    return (
+        dataclasses.replace(
+            config,
+            batch_size=setup.per_replica_batch_size,
+            accumulation=steps > 1,
+            accumulation_steps=steps,
+        ),
+        found,
+    )
 
 
 def _callbacks(config: DemoConfig, paths: _Paths, steps_per_epoch: int) -> list:
@@ -485,6 +554,18 @@ def _summary(
         "steps_csv": os.path.abspath(paths.steps),
         "report": os.path.abspath(paths.png),
         "notes": run["notes"],
+        "batch_by_memory": run.get("batch_by_memory"),
+    }
+
+
+def _placement_summary(config: DemoConfig, model: Any) -> dict:
+    """Where the model-parallel demo put its stages (placement_report)."""
+    from keras_mgpu.placement import placement_report
+
+    return {
+        "model_parallel": True,
+        "micro_batches": config.micro_batches,
+        "placement": placement_report(model, print_fn=None),
     }
 
 
@@ -502,8 +583,15 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
     keras.utils.set_random_seed(config.seed)
     data = load_digits_split(config.seed)
 
-    strategy = tf.distribute.MirroredStrategy(devices=device_info["devices"])
+    strategy = (
+        tf.distribute.get_strategy()  # one replica spanning the devices
+        if config.model_parallel
+        else tf.distribute.MirroredStrategy(devices=device_info["devices"])
+    )
     replicas = strategy.num_replicas_in_sync
+    batch_by_memory = None
+    if config.global_batch_size is not None:
+        config, batch_by_memory = _batch_by_memory(config, strategy, data)
     train, test, steps_per_epoch = _datasets(config, replicas, data)
     model, examples_per_update = _compiled_model(config, strategy)
     history, train_seconds, notes = _fit_collecting_notes(
@@ -524,8 +612,11 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
         "test_images": len(data[2]),
         "train_seconds": train_seconds,
         "notes": notes,
+        "batch_by_memory": batch_by_memory,
     }
     summary = _summary(config, device_info, run, paths)
+    if config.model_parallel:
+        summary.update(_placement_summary(config, model))
     plot_training_report(
         paths.csv, paths.png, steps=paths.steps, title=_report_title(summary)
     )
@@ -536,15 +627,69 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
 
 
 def _report_title(summary: dict) -> str:
+    if summary.get("model_parallel"):
+        where = (
+            f"{len(_stages(summary))} x {summary['device_kind']} "
+            "(model parallel)"
+        )
+    else:
+        where = (
+            f"{summary['replicas']} x {summary['device_kind']} "
+            "(MirroredStrategy)"
+        )
     parts = [
-        f"keras-mgpu demo: digits CNN, {summary['replicas']} x "
-        f"{summary['device_kind']} (MirroredStrategy)",
+        f"keras-mgpu demo: digits CNN, {where}",
         f"global batch {summary['global_batch_size']} = "
         f"{summary['per_replica_batch_size']} x {summary['replicas']} x "
         f"{summary['accumulation_steps']} accumulation",
         f"final accuracy {summary['final_accuracy']:.3f}",
     ]
     return "  |  ".join(parts)
+
+
+def _batch_by_memory_rows(found: dict | None) -> list:
+    if not found:
+        return []
+    return [
+        (
+            "batch by memory",
+            f"largest micro-batch {found['largest_batch_size']:,} "
+            f"(measured peak {found['measured_peak_mb']:,.1f} MB of a "
+            f"{found['budget_mb']:,.1f} MB budget; search "
+            f"{found['search_seconds']:.1f} s)",
+        )
+    ]
+
+
+def _stages(summary: dict) -> list:
+    """The placement rows that hold a stage (not only optimizer counters)."""
+    return [row for row in summary["placement"] if row["stage"] is not None]
+
+
+def _model_parallel_devices(summary: dict) -> str:
+    stages = len(_stages(summary))
+    kind = "GPU" if summary["device_kind"] == "GPU" else "logical CPU device"
+    pipelining = (
+        f", {summary['micro_batches']} micro-batches per step"
+        if summary["micro_batches"] > 1
+        else ""
+    )
+    return f"model split into {stages} stages on {stages} x {kind}{pipelining}"
+
+
+def _placement_rows(summary: dict) -> list:
+    """One row per stage: device, layers, parameters (model parallel)."""
+    rows = []
+    for index, stage in enumerate(_stages(summary)):
+        device = stage["device"].replace("/device:", "")
+        rows.append(
+            (
+                "placement" if index == 0 else "",
+                f"{device}: {', '.join(stage['layers'])} "
+                f"({stage['params']:,} params)",
+            )
+        )
+    return rows
 
 
 def format_summary(summary: dict, total_seconds: float | None = None) -> str:
@@ -586,9 +731,14 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
         f"{summary['final_accuracy']:.4f} on {summary['test_images']} "
         f"held-out digits (train {summary['final_train_accuracy']:.4f})"
     )
+    if summary.get("model_parallel"):
+        devices = _model_parallel_devices(summary)
+    else:
+        devices += " under MirroredStrategy"
     rows = [
-        ("devices", devices + " under MirroredStrategy"),
+        ("devices", devices),
         ("global batch", batch),
+        *_batch_by_memory_rows(summary.get("batch_by_memory")),
         ("accumulation", accumulation),
         ("scaled learning rate", lr),
         ("warmup", warmup),
@@ -596,6 +746,8 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
         ("updates", f"{summary['updates']} in {summary['epochs']} epochs"),
         ("final accuracy", accuracy),
     ]
+    if summary.get("model_parallel"):
+        rows += _placement_rows(summary)
     if summary["peak_memory"]:
         for index, row in enumerate(summary["peak_memory"]):
             peak = row["peak_mb"]

@@ -8,6 +8,7 @@ starts.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -56,6 +57,7 @@ def test_every_example_is_tested():
         "custom_training_loop.py",
         "mirrored_training.py",
         "multi_worker.py",
+        "ray_train.py",
         "tfmot_pruning.py",
     ]
 
@@ -103,6 +105,33 @@ def test_multi_worker_launches_two_local_workers(tmp_path):
     assert {u for _, u, _ in finals} == {"32"}
     assert len({a for _, _, a in finals}) == 1
     assert float(finals[0][2]) > 0.5
+    checksums = re.findall(r"weights checksum: ([-\d.]+)", out)
+    assert len(checksums) == 2 and len(set(checksums)) == 1
+    assert "workers/step_time_ratio" in out  # StragglerMonitor, chief's bar
+
+
+@pytest.mark.slow
+def test_ray_train_runs_keras3_fit_on_two_workers(tmp_path):
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip('Ray is not installed (pip install "keras-mgpu[ray]")')
+    out = _run_example("ray_train.py", tmp_path, timeout=420)
+    workers = re.findall(
+        r"worker (\d): updates (\d+), accuracy ([\d.]+), weights checksum "
+        r"([-\d.]+), optimizer (\S+), TF_USE_LEGACY_KERAS=(\S+), "
+        r"TF_CONFIG=(.*)",
+        out,
+    )
+    assert [w[0] for w in workers] == ["0", "1"]
+    # 1024 samples / 64 per micro-step / 2 per update, 2 epochs.
+    assert {w[1] for w in workers} == {"16"}
+    assert len({w[3] for w in workers}) == 1  # identical weights
+    for worker in workers:
+        # Ray set the tf_keras switch; the user's Keras 3 objects still got
+        # keras_mgpu's Keras 3 components.
+        assert worker[5] == "1"
+        assert worker[4] == "keras_mgpu.optimizers.gradient_accumulation"
+        hosts = json.loads(worker[6])["cluster"]["worker"]
+        assert {h.rsplit(":", 1)[0] for h in hosts} == {"127.0.0.1"}
 
 
 def test_tfmot_pruning(tmp_path):

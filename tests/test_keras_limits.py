@@ -173,3 +173,27 @@ def test_apply_always_all_reduces_under_a_strategy():
     counter.remove()
     assert counter.total_bytes() == 3 * 4 * 4
     np.testing.assert_allclose(variable.numpy(), -0.2)
+def test_uneven_last_batch_is_weighted_per_replica():
+    """Keras averages each replica's mean loss: a last batch of 9 split 5/4
+    over 2 replicas weights each sample by its replica (MirroredStrategy;
+    multi-worker the same, where enable_multi_worker_fit warns)."""
+
+    def fit(name, samples):
+        x, y = regression_data(samples)
+        strategy = make_strategy(name)
+        with strategy.scope():
+            model = mlp()
+            model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    uneven = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(fit("default", 57), fit("mirrored_2", 57))
+    )
+    even = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(fit("default", 64), fit("mirrored_2", 64))
+    )
+    assert even < 1e-5
+    assert uneven > 1e-4

@@ -8,8 +8,6 @@ import shutil
 import tempfile
 from typing import Any
 
-import numpy as np
-
 from keras_mgpu._flavour import object_flavour
 
 _METADATA = "training_metadata.json"
@@ -173,12 +171,16 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self._delegate("on_train_begin", logs):
             return
-        from keras_mgpu.distribute.strategy import worker_info
+        from keras_mgpu.distribute.strategy import is_multi_worker, worker_info
 
-        info = worker_info(self._strategy())
-        self._is_chief = bool(info["is_chief"])
-        self._num_workers = int(info["num_workers"])
-        self._task_id = int(info["task_id"] or 0)
+        strategy = self._strategy()
+        # Several processes share one backup only when they train one model
+        # together; otherwise each process owns its backup.
+        together = is_multi_worker(strategy)
+        info = worker_info(strategy)
+        self._is_chief = bool(info["is_chief"]) or not together
+        self._num_workers = int(info["num_workers"]) if together else 1
+        self._task_id = int(info["task_id"] or 0) if together else 0
         metadata = self._read_metadata()
         if self._num_workers > 1:
             self._check_workers_agree(metadata)
@@ -289,12 +291,10 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
 
     def _check_workers_agree(self, metadata: dict | None) -> None:
         """Every worker must restore the same backup (one all-reduce)."""
-        from keras_mgpu.distribute.collectives import sum_over_workers
+        from keras_mgpu.distribute.collectives import gather_rows
 
         seen = -1 if metadata is None else int(metadata["epoch"])
-        row = np.zeros((self._num_workers, 1), dtype=np.float64)
-        row[self._task_id, 0] = seen + 2  # > 0: every worker fills its row
-        epochs = sum_over_workers(self._strategy(), row)[:, 0] - 2
+        epochs = gather_rows(self._strategy(), [seen])[:, 0]
         if len(set(epochs.tolist())) > 1:
             described = ", ".join(
                 f"worker {i}: "

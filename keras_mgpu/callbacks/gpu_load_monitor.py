@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keras_mgpu._flavour import keras, tf
+from keras_mgpu._flavour import callback_bases, tf
 from keras_mgpu._validation import check_bool, check_int, check_number
 from keras_mgpu.monitoring.aggregate import NAN, Stats, spread
 from keras_mgpu.monitoring.backend import BackendUnavailable
@@ -47,7 +47,7 @@ def _gpu_key_name(device: str, figure: str, stat: str, unit: str) -> str:
     return f"{device}_{figure}_{stat}_{unit}"
 
 
-class GPULoadMonitor(keras.callbacks.Callback):
+class GPULoadMonitor(*callback_bases()):
     """Logs per-GPU load, sampled off the training thread, per epoch.
 
     A daemon thread reads NVML (`nvidia-ml-py`, `import pynvml`) every

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from keras_mgpu._flavour import keras
+from keras_mgpu._flavour import callback_bases
 from keras_mgpu._validation import check_choice, check_int
 from keras_mgpu.distribute import (
     accumulation_steps_of,
@@ -18,7 +18,7 @@ from keras_mgpu.schedules.scaling import SCALING_RULES, scaling_factor
 logger = logging.getLogger("keras_mgpu")
 
 
-class LearningRateScaler(keras.callbacks.Callback):
+class LearningRateScaler(*callback_bases()):
     """Multiplies the learning rate by the batch-size scaling rule, from the
     strategy and accumulation actually in use.
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 import warnings
 
-from keras_mgpu._flavour import keras
+from keras_mgpu._flavour import callback_bases
 from keras_mgpu._validation import check_int, check_number
 from keras_mgpu.distribute import accumulation_steps_of
 from keras_mgpu.schedules import _optimizer_lr
 from keras_mgpu.schedules.warmup import check_ramp
 
 
-class LearningRateWarmup(keras.callbacks.Callback):
+class LearningRateWarmup(*callback_bases()):
     """Ramps the optimizer's learning rate up over the first updates.
 
     At `on_train_begin` the callback puts an in-graph ramp in front of

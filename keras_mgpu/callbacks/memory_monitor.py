@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from keras_mgpu._flavour import keras, tf
+from keras_mgpu._flavour import callback_bases, tf
 from keras_mgpu._validation import check_bool, check_int, check_number
 from keras_mgpu.monitoring.gather import WorkerGathering
 from keras_mgpu.monitoring.host_backend import HostBackend
@@ -27,7 +27,7 @@ REMEDIES = (
 )
 
 
-class MemoryMonitor(keras.callbacks.Callback):
+class MemoryMonitor(*callback_bases()):
     """Logs current and peak memory of every device the strategy uses.
 
     At each epoch end it adds to `logs` (so the progress bar, `History`,
@@ -170,7 +170,9 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._prefix = self._gathering.start(
             strategy, self.worker_prefix, self._notices
         )
-        devices = strategy_devices(strategy)
+        devices = strategy_devices(
+            strategy, getattr(self.model, "variables", ())
+        )
         self._devices = []
         for device in devices:
             if device.startswith("CPU:"):

@@ -71,8 +71,7 @@ class StragglerMonitor(*callback_bases()):
     # ------------------------------------------------------------------
     def on_train_begin(self, logs: dict | None = None) -> None:
         from keras_mgpu.distribute import collective_timing
-        from keras_mgpu.distribute._keras_trainer_patch import is_multi_worker
-        from keras_mgpu.distribute.strategy import worker_info
+        from keras_mgpu.distribute.strategy import is_multi_worker, worker_info
 
         self._notices.reset()
         self._release()

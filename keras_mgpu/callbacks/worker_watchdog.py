@@ -95,8 +95,7 @@ class WorkerWatchdog(*callback_bases()):
     # ------------------------------------------------------------------
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.stop()
-        from keras_mgpu.distribute._keras_trainer_patch import is_multi_worker
-        from keras_mgpu.distribute.strategy import worker_info
+        from keras_mgpu.distribute.strategy import is_multi_worker, worker_info
         from keras_mgpu.distribute.worker_status import WorkerStatus
 
         strategy = getattr(self.model, "distribute_strategy", None)

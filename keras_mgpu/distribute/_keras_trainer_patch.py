@@ -20,6 +20,7 @@ import warnings
 from typing import Any
 
 from keras_mgpu.distribute.multi_worker_fit import MultiWorkerFitWarning
+from keras_mgpu.distribute.strategy import is_multi_worker
 
 _TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
 _METHODS = ("_maybe_symbolic_build", "fit", "evaluate", "predict")
@@ -30,16 +31,6 @@ def _trainer_module() -> Any:
     import importlib
 
     return importlib.import_module(_TRAINER_MODULE)
-
-
-def is_multi_worker(strategy: Any) -> bool:
-    """A `MultiWorkerMirroredStrategy` running with several workers."""
-    import tensorflow as tf
-
-    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        return False
-    # Private (TF 2.16-2.21), the same test Keras's trainer makes.
-    return bool(strategy.extended._in_multi_worker_mode())
 
 
 def install() -> dict[str, Any]:

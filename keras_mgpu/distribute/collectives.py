@@ -37,3 +37,21 @@ def sum_over_workers(strategy: Any, matrix: np.ndarray) -> np.ndarray:
     return np.asarray(
         strategy.reduce(tf.distribute.ReduceOp.SUM, distributed, axis=None)
     )
+
+
+def gather_rows(strategy: Any, row: np.ndarray) -> np.ndarray:
+    """Every worker's `row` as a `[num_workers, len(row)]` float64 matrix,
+    in task order, on every worker (`row[None]` without several workers).
+
+    Every worker must call it at the same point: one SUM all-reduce of a
+    zero matrix in which each worker filled its own row, exact in float64.
+    """
+    from keras_mgpu.distribute.strategy import is_multi_worker, worker_info
+
+    row = np.asarray(row, dtype=np.float64).reshape(-1)
+    if not is_multi_worker(strategy):
+        return row[None]
+    info = worker_info(strategy)
+    matrix = np.zeros((info["num_workers"], row.size), dtype=np.float64)
+    matrix[int(info["task_id"] or 0)] = row
+    return sum_over_workers(strategy, matrix)

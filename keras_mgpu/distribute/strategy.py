@@ -122,6 +122,16 @@ def strategy_kind(strategy: tf.distribute.Strategy | None = None) -> str:
     return table.get(name, "other")
 
 
+def is_multi_worker(strategy: tf.distribute.Strategy | None = None) -> bool:
+    """Whether `strategy` runs synchronous replicas in several worker
+    processes (a `MultiWorkerMirroredStrategy` cluster of 2+ workers)."""
+    strategy = current_strategy(strategy)
+    return (
+        strategy_kind(strategy) == "multi_worker_mirrored"
+        and worker_info(strategy)["num_workers"] > 1
+    )
+
+
 def worker_info(
     strategy: tf.distribute.Strategy | None = None,
 ) -> dict[str, Any]:

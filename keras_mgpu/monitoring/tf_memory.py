@@ -16,12 +16,15 @@ def _tf():
 MB = 1024.0 * 1024.0
 
 
-def strategy_devices(strategy=None) -> list[str]:
+def strategy_devices(strategy=None, variables=()) -> list[str]:
     """Local devices ("GPU:0", "CPU:1", ...) that `strategy` computes or
-    stores variables on, in order, without duplicates.
+    stores variables on, then those `variables` live on, in order, without
+    duplicates.
 
     The default strategy places work on the first GPU, or on the CPU.
     Under `MultiWorkerMirroredStrategy` these are this worker's devices.
+    `variables` adds the devices of a model split across devices
+    (`keras_mgpu.apply_placement`), whose strategy sees only one.
     """
     strategy = strategy or _tf().distribute.get_strategy()
     names: list[str] = []
@@ -31,6 +34,11 @@ def strategy_devices(strategy=None) -> list[str]:
     except (RuntimeError, NotImplementedError):  # the default strategy
         gpus = _tf().config.list_logical_devices("GPU")
         names.append(gpus[0].name if gpus else "CPU:0")
+    for variable in variables:
+        # A distributed variable's `.device` is its primary copy's.
+        name = getattr(getattr(variable, "value", variable), "device", "")
+        if name:
+            names.append(name)
     devices: list[str] = []
     for name in names:
         spec = _tf().DeviceSpec.from_string(name)

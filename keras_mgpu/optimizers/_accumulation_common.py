@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from keras_mgpu import compression as compression_lib
-from keras_mgpu._flavour import keras, tf
+from keras_mgpu._flavour import flavour_of, keras_of, tf
 from keras_mgpu._validation import check_bool
 from keras_mgpu.compression.reduce import (
     all_reduce_sum as all_reduce_sum_by_dtype,
@@ -276,7 +276,8 @@ def check_momentum_correction(
     if not momentum_correction:
         return False
     momentum = getattr(inner_optimizer, "momentum", 0.0)
-    if not isinstance(inner_optimizer, keras.optimizers.SGD) or not momentum:
+    sgd = keras_of(flavour_of(inner_optimizer)).optimizers.SGD
+    if not isinstance(inner_optimizer, sgd) or not momentum:
         raise ValueError(
             "Argument `momentum_correction=True` needs an SGD inner optimizer "
             "with momentum > 0: Keras's SGD keeps the learning rate inside "
@@ -329,7 +330,30 @@ class AccumulationProtocol:
     - `_apply_to_inner(payload, slots)`: one inner update, then empty the
       accumulators;
     - `_reset(slots)`: empty the accumulators.
+
+    Constructing either flavour's class with the other flavour's inner
+    optimizer builds the other class: the wrapper follows the optimizer it
+    is given, whatever `TF_USE_LEGACY_KERAS` made the package default (Ray
+    Train sets it while user code builds Keras 3 optimizers).
     """
+
+    def __new__(cls, inner_optimizer: Any = None, *args: Any, **kwargs: Any):
+        from keras_mgpu.optimizers import wrapper_class_for
+
+        target = wrapper_class_for(inner_optimizer)
+        # Only our own two classes redirect; a user's subclass keeps its
+        # flavour (and its check names the mismatch).
+        if (
+            target is not None
+            and cls is not target
+            and cls.__module__
+            in (
+                "keras_mgpu.optimizers.gradient_accumulation",
+                "keras_mgpu.optimizers.gradient_accumulation_tf_keras",
+            )
+        ):
+            return target(inner_optimizer, *args, **kwargs)
+        return super().__new__(cls)
 
     # Clipping and weight decay are set on the inner optimizer and act once
     # per update; reading or setting them on the wrapper reaches the inner.

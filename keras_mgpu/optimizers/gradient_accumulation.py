@@ -4,13 +4,19 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from keras_mgpu import compression as compression_lib
-from keras_mgpu._flavour import check_flavour, keras, register_serializable, tf
+from keras_mgpu._flavour import (
+    check_flavour,
+    keras_of,
+    register_serializable,
+    tf,
+)
 from keras_mgpu._validation import check_int
 from keras_mgpu.distribute import strategy_kind
 from keras_mgpu.optimizers._accumulation_common import (
@@ -35,6 +41,10 @@ from keras_mgpu.optimizers._accumulation_common import (
     touched_rows,
     variable_name,
 )
+
+# Keras 3 whatever TF_USE_LEGACY_KERAS says: this class serves Keras 3
+# optimizers (keras_mgpu.GradientAccumulationOptimizer picks it for them).
+keras = keras_of("keras3")
 
 _INNER_ONLY_ARGUMENTS = INNER_ONLY_ARGUMENTS + (
     "loss_scale_factor",
@@ -228,7 +238,7 @@ def _slot_kind(grad: Any, variable: Any) -> str:
     return DENSE
 
 
-@register_serializable
+@functools.partial(register_serializable, flavour="keras3")
 class GradientAccumulationOptimizer(
     AccumulationProtocol, keras.optimizers.Optimizer
 ):
@@ -358,7 +368,7 @@ class GradientAccumulationOptimizer(
 
     @staticmethod
     def _check_inner(inner_optimizer: Any) -> None:
-        check_flavour(inner_optimizer, "inner_optimizer")
+        check_flavour(inner_optimizer, "inner_optimizer", "keras3")
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(
                 "Argument `inner_optimizer` must be a Keras 3 "

@@ -3,13 +3,19 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
 import numpy as np
 
 from keras_mgpu import compression as compression_lib
-from keras_mgpu._flavour import check_flavour, keras, register_serializable, tf
+from keras_mgpu._flavour import (
+    check_flavour,
+    keras_of,
+    register_serializable,
+    tf,
+)
 from keras_mgpu._validation import check_int
 from keras_mgpu.optimizers._accumulation_common import (
     DENSE,
@@ -29,6 +35,10 @@ from keras_mgpu.optimizers._accumulation_common import (
     touched_rows,
 )
 
+# tf_keras whatever TF_USE_LEGACY_KERAS says: this class serves tf_keras
+# optimizers (keras_mgpu.GradientAccumulationOptimizer picks it for them).
+keras = keras_of("tf_keras")
+
 _INNER_ONLY_ARGUMENTS = INNER_ONLY_ARGUMENTS + ("jit_compile", "mesh")
 
 
@@ -46,7 +56,7 @@ def _true_dtype(variable: Any) -> tf.DType:
     return getattr(variable, "true_dtype", variable.dtype)
 
 
-@register_serializable
+@functools.partial(register_serializable, flavour="tf_keras")
 class GradientAccumulationOptimizer(
     AccumulationProtocol, keras.optimizers.Optimizer
 ):
@@ -170,7 +180,7 @@ class GradientAccumulationOptimizer(
 
     @staticmethod
     def _check_inner(inner_optimizer: Any) -> None:
-        check_flavour(inner_optimizer, "inner_optimizer")
+        check_flavour(inner_optimizer, "inner_optimizer", "tf_keras")
         check_inner_is_not_a_wrapper(
             inner_optimizer,
             GradientAccumulationOptimizer,

@@ -27,10 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from keras_mgpu._flavour import IS_TF_KERAS, keras, tf
-from keras_mgpu.schedules.warmup import ramp_value
-
-_Schedule = keras.optimizers.schedules.LearningRateSchedule
+from keras_mgpu._flavour import flavour_of, keras, tf
+from keras_mgpu.schedules.warmup import is_schedule, ramp_value
 
 
 def lr_owner(optimizer: Any) -> Any:
@@ -72,10 +70,11 @@ def evaluate_lr(owner: Any, lr: Any) -> Any:
     """In-graph value of a learning-rate object, as `owner` would compute."""
     if isinstance(lr, LearningRateWrapper):
         return lr()
-    if isinstance(lr, _Schedule):
+    if is_schedule(lr):
         # Keras 3 evaluates schedules on `_iterations`; so do we, to keep the
         # user's schedule exactly as it was.
-        step = owner.iterations if IS_TF_KERAS else owner._iterations
+        tf_keras = flavour_of(owner) == "tf_keras"
+        step = owner.iterations if tf_keras else owner._iterations
         return tf.convert_to_tensor(lr(step))
     if isinstance(lr, (int, float)):
         return tf.constant(lr, dtype=keras.backend.floatx())
@@ -120,7 +119,7 @@ class LearningRateWrapper:
         inner = self.inner
         if isinstance(inner, LearningRateWrapper):
             inner.assign(value)
-        elif isinstance(inner, _Schedule) or not hasattr(inner, "assign"):
+        elif is_schedule(inner) or not hasattr(inner, "assign"):
             raise TypeError(
                 "This optimizer's learning rate is a "
                 f"{type(inner).__name__}, hence it is not settable (e.g. by "

@@ -6,7 +6,15 @@ import math
 import numbers
 from typing import Any
 
-from keras_mgpu._flavour import check_flavour, keras, register_serializable, tf
+from keras_mgpu._flavour import (
+    FLAVOUR,
+    flavour_of,
+    keras,
+    keras_of,
+    register_in_every_flavour,
+    schedule_bases,
+    tf,
+)
 from keras_mgpu._validation import check_choice, check_int, check_number
 
 RAMPS = ("linear", "exponential", "cosine")
@@ -43,8 +51,9 @@ def ramp_value(fraction: Any, initial: Any, target: Any, ramp: str) -> Any:
     return tf.where(target > 0, initial * tf.exp(ratio * fraction), target)
 
 
-def _schedule_base_class():
-    return keras.optimizers.schedules.LearningRateSchedule
+def is_schedule(value: Any) -> bool:
+    """Whether `value` is a `LearningRateSchedule` of either flavour."""
+    return isinstance(value, schedule_bases())
 
 
 def _check_scalar_float(schedule: Any) -> None:
@@ -68,8 +77,8 @@ def _check_scalar_float(schedule: Any) -> None:
         )
 
 
-@register_serializable
-class Warmup(_schedule_base_class()):
+@register_in_every_flavour
+class Warmup(*schedule_bases()):
     """Ramps the learning rate up over the first updates, then hands over to
     `schedule`.
 
@@ -82,6 +91,10 @@ class Warmup(_schedule_base_class()):
     `CosineDecay(warmup_steps=...)`); "cosine" is a half cosine between the
     same end points; "exponential" interpolates geometrically (needs
     `initial_learning_rate > 0`).
+
+    A `Warmup` is a learning-rate schedule of both Keras flavours (Keras 3
+    and tf_keras optimizers accept it), and follows the flavour of the
+    schedule it wraps when serialized.
 
     Everything is computed in-graph from the step the optimizer passes in,
     so it is exact inside `steps_per_execution`, after a resume (the step is
@@ -124,11 +137,9 @@ class Warmup(_schedule_base_class()):
             schedule, bool
         ):
             schedule = check_number(schedule, "schedule", minimum=0.0)
-        elif isinstance(schedule, _schedule_base_class()):
-            check_flavour(schedule, "schedule")
+        elif is_schedule(schedule):
             _check_scalar_float(schedule)
         else:
-            check_flavour(schedule, "schedule")
             raise TypeError(
                 "Argument `schedule` must be a float or a "
                 "`keras.optimizers.schedules.LearningRateSchedule`. "
@@ -183,9 +194,15 @@ class Warmup(_schedule_base_class()):
 
     def get_config(self) -> dict:
         schedule = self.schedule
+        config: dict = {}
         if not isinstance(schedule, float):
-            schedule = keras.optimizers.schedules.serialize(schedule)
+            flavour = flavour_of(schedule)
+            schedule = keras_of(flavour).optimizers.schedules.serialize(
+                schedule
+            )
+            config["flavour"] = flavour
         return {
+            **config,
             "schedule": schedule,
             "warmup_steps": self.warmup_steps,
             "initial_learning_rate": self.initial_learning_rate,
@@ -196,8 +213,8 @@ class Warmup(_schedule_base_class()):
     @classmethod
     def from_config(cls, config: dict) -> Warmup:
         config = dict(config)
+        flavour = config.pop("flavour", FLAVOUR)
         if isinstance(config["schedule"], dict):
-            config["schedule"] = keras.optimizers.schedules.deserialize(
-                config["schedule"]
-            )
+            schedules = keras_of(flavour).optimizers.schedules
+            config["schedule"] = schedules.deserialize(config["schedule"])
         return cls(**config)

@@ -50,7 +50,7 @@ def fake_gpu_strategy(monkeypatch):
     monkeypatch.setattr(
         memory_monitor_module,
         "strategy_devices",
-        lambda strategy: ["GPU:0", "GPU:1", "CPU:0"],
+        lambda strategy, variables=(): ["GPU:0", "GPU:1", "CPU:0"],
     )
     monkeypatch.setattr(notices, "_PROCESS_NOTES", set())
 

@@ -116,6 +116,12 @@ def fit_scenarios(task_index: int) -> dict:
     results["steps_per_execution_error"] = _error(
         lambda: model.fit(x, y, batch_size=GLOBAL_BATCH, verbose=0)
     )
+    # predict has no multi-step loop: steps_per_execution works there.
+    results["predict_spe2"] = model.predict(x[:20], batch_size=8, verbose=0)
+    results["predict_spe2"] = results["predict_spe2"].tolist()
+    results["predict_spe2_reference"] = (
+        _model().predict(x[:20], verbose=0).tolist()
+    )
     with strategy.scope():
         model = _model()
         model.compile(optimizer="sgd", loss="mse")
@@ -141,7 +147,7 @@ def fit_scenarios(task_index: int) -> dict:
 
 
 def _straggler_run(strategy, task_index: int) -> dict:
-    """Worker 1 sleeps 100 ms before each step."""
+    """Worker 1 sleeps 300 ms before each step."""
     import time
 
     import keras
@@ -151,7 +157,7 @@ def _straggler_run(strategy, task_index: int) -> dict:
     class Sleep(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
             if task_index == 1:
-                time.sleep(0.1)
+                time.sleep(0.3)
 
     x, y = _data(128)
     with strategy.scope():

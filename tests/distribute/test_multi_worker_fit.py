@@ -47,6 +47,11 @@ def test_fit_equals_one_process_on_the_global_batch(cluster):
 def test_evaluate_and_predict(cluster):
     for result in cluster:
         plain = result["plain"]
+        # steps_per_execution=2 (untrained model): predict has no
+        # multi-step loop, so it works and keras_mgpu lets it through.
+        np.testing.assert_allclose(
+            result["predict_spe2"], result["predict_spe2_reference"], atol=1e-6
+        )
         assert plain["evaluate"] == pytest.approx(
             plain["evaluate_reference"], rel=1e-5
         )
@@ -116,20 +121,17 @@ def test_a_slow_worker_is_flagged_on_every_worker(cluster):
             for name in ("step_ms", "wait_ms", "busy_ms"):
                 assert f"workers/w{worker}_{name}" in logs
         assert logs["workers/slowest"] == 1.0
-        # 30 ms more per step on worker 1; worker 0 waits for it.
-        assert logs["workers/w1_busy_ms"] - logs["workers/w0_busy_ms"] > 20
-        assert logs["workers/w0_wait_ms"] > logs["workers/w1_wait_ms"]
-        assert logs["workers/step_time_ratio"] > 1.25
-        assert (
-            logs["workers/step_time_ratio"]
-            > balanced["logs"]["workers/step_time_ratio"]
+        # 300 ms more per step on worker 1; worker 0 waits for it. (The
+        # step times themselves are equal: the workers move in lockstep.)
+        assert logs["workers/w1_busy_ms"] - logs["workers/w0_busy_ms"] > 150
+        assert logs["workers/w0_wait_ms"] - logs["workers/w1_wait_ms"] > 150
+        assert logs["workers/w0_step_ms"] == pytest.approx(
+            logs["workers/w1_step_ms"], rel=0.1
         )
+        assert logs["workers/step_time_ratio"] > 1.25
         (warning,) = slow["warnings"]
         assert "worker 1 is a straggler" in warning
-    assert (
-        cluster[0]["stragglers"]["1"]["logs"]
-        == (cluster[1]["stragglers"]["1"]["logs"])
-    )
+    assert cluster[0]["straggler"]["logs"] == cluster[1]["straggler"]["logs"]
 
 
 @pytest.mark.slow

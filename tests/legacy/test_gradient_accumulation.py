@@ -390,17 +390,6 @@ def test_bad_accumulation_steps(steps, error, message):
         GradientAccumulationOptimizer(keras.optimizers.SGD(), steps)
 
 
-def test_rejects_keras3_optimizer():
-    import keras as keras3  # the other flavour, installed alongside
-
-    with pytest.raises(
-        TypeError,
-        match=r"`inner_optimizer` is a keras3 object \(SGD\).*tf_keras "
-        r"flavour.*unset TF_USE_LEGACY_KERAS",
-    ):
-        GradientAccumulationOptimizer(keras3.optimizers.SGD(), 2)
-
-
 def test_keras3_model_rejects_the_tf_keras_wrapper():
     import keras as keras3
 

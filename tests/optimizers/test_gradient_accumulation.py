@@ -378,13 +378,6 @@ def test_bad_accumulation_steps(steps, error, message):
         GradientAccumulationOptimizer(keras.optimizers.SGD(), steps)
 
 
-def test_rejects_tf_keras_optimizer():
-    import tf_keras
-
-    with pytest.raises(TypeError, match=r"`inner_optimizer` is a tf_keras"):
-        GradientAccumulationOptimizer(tf_keras.optimizers.SGD(), 2)
-
-
 def test_rejects_legacy_tf_optimizer():
     with pytest.raises(TypeError, match=r"`inner_optimizer`"):
         GradientAccumulationOptimizer(

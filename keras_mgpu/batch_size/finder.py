@@ -1,0 +1,444 @@
+"""`find_batch_size`: the largest per-replica batch whose training step fits
+a memory budget, measured on a copy of the model."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from keras_mgpu._flavour import tf
+from keras_mgpu._validation import check_int, check_number
+from keras_mgpu.batch_size import agreement
+from keras_mgpu.batch_size import memory_probe as probe_module
+from keras_mgpu.batch_size.samples import SampleBatches
+from keras_mgpu.batch_size.search import (
+    DEFAULT_MAX_TRIALS,
+    BudgetTooSmall,
+    SearchOutcome,
+    search_batch_size,
+)
+from keras_mgpu.distribute import current_strategy, worker_info
+
+DEFAULT_MEMORY_FRACTION = 0.9
+MB = 1024.0 * 1024.0
+_LIMITS = ("memory", "max_batch_size", "trials")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSizeResult:
+    """What `find_batch_size` found.
+
+    Memory figures are TensorFlow allocator peaks of one training step on
+    the probe device, in MB (2**20 bytes), above what the device held
+    before the probe: the model's weights, optimizer state, the batch and
+    the step's activations, gradients and workspace.
+
+    Attributes:
+        batch_size: the largest per-replica batch that fits (a multiple of
+            `multiple_of`, at most `max_batch_size`).
+        fixed_mb, per_sample_mb: the fitted memory model `peak = fixed_mb +
+            per_sample_mb * batch`, the least-squares line through the
+            peaks of the probe steps at batches from 1/8 of `batch_size`
+            up (where it is used; tiny batches are mostly rounding).
+        peak_mb: that line's peak at `batch_size`; `measured_peak_mb`: the
+            peak measured there.
+        seconds_per_sample: duration of one step at `batch_size`, per sample.
+        budget_mb, budget_source: the budget and where it came from.
+        upper_bound: the smallest batch measured not to fit (its peak over
+            the budget, or out of memory); None if none was tried.
+        limited_by: "memory", "max_batch_size" or "trials".
+        device: the probe device of this process.
+        measurements: `(batch_size, peak_mb)` of every step this process
+            ran, in order; `peak_mb` is None for an out-of-memory error.
+        worker_batch_sizes: each worker's own answer (one entry without a
+            cluster); `batch_size` is their minimum.
+        search_seconds: wall time of this process's search.
+    """
+
+    batch_size: int
+    fixed_mb: float
+    per_sample_mb: float
+    peak_mb: float
+    measured_peak_mb: float
+    seconds_per_sample: float
+    budget_mb: float
+    budget_source: str
+    upper_bound: int | None
+    limited_by: str
+    device: str
+    measurements: tuple[tuple[int, float | None], ...]
+    worker_batch_sizes: tuple[int, ...]
+    search_seconds: float
+    model_name: str = ""
+
+    def predict_peak_mb(self, batch_size: int) -> float:
+        """The fitted line's peak for `batch_size` (MB)."""
+        return self.fixed_mb + self.per_sample_mb * batch_size
+
+    def explain(self) -> str:
+        """What was measured and why this batch, in one paragraph."""
+        text = (
+            f"One training step of {self.model_name!r} (forward, backward "
+            f"and optimizer update, run on a copy on {self.device}) needs "
+            f"{self.fixed_mb:,.1f} MB + {self.per_sample_mb:,.4g} MB per "
+            f"sample (TensorFlow allocator peaks of "
+            f"{len(self.measurements)} probe steps, line fitted near the "
+            f"answer). Within the budget of {self.budget_mb:,.1f} MB "
+            f"({self.budget_source}) the largest batch is "
+            f"{self.batch_size:,}: predicted peak {self.peak_mb:,.1f} MB, "
+            f"measured {self.measured_peak_mb:,.1f} MB"
+        )
+        if self.limited_by == "max_batch_size":
+            text += ", and it is the cap (max_batch_size)"
+        elif self.upper_bound is not None:
+            text += f"; {self.upper_bound:,} did not fit"
+        if self.limited_by == "trials":
+            text += " (the search stopped at max_trials)"
+        if len(self.worker_batch_sizes) > 1:
+            text += (
+                "; the smallest of the workers' answers "
+                f"{list(self.worker_batch_sizes)}"
+            )
+        return text + (
+            f". {len(self.measurements)} probe steps took "
+            f"{self.search_seconds:.1f} s; one step takes "
+            f"{1e3 * self.seconds_per_sample:.3g} ms per sample."
+        )
+
+
+def find_batch_size(
+    model: Any,
+    data: Any,
+    memory_fraction: float | None = None,
+    max_batch_size: int | None = None,
+    device: str | None = None,
+    *,
+    memory_budget_mb: float | None = None,
+    multiple_of: int = 1,
+    strategy: tf.distribute.Strategy | None = None,
+    max_trials: int = DEFAULT_MAX_TRIALS,
+    verbose: int = 0,
+) -> BatchSizeResult:
+    """The largest per-replica batch whose training step fits in memory.
+
+    Runs real training steps (forward, backward, optimizer update, the
+    model's own `train_step`) of a copy of `model` on one device and
+    reads TensorFlow's allocator peak (`get_memory_info`) after each: first
+    at batch `multiple_of` and twice that, then at the batch a fitted line
+    `peak = fixed + per_sample * batch` predicts for the budget, then
+    between the largest batch that fits and the smallest that does not
+    until they are ~3% apart. An out-of-memory error in a step counts as
+    "does not fit": the search backs off. The user's weights, optimizer
+    state and random-number state are untouched.
+
+    **Under `tf.distribute`.** The probe runs before training, on one
+    device of the strategy (the one with the least memory when GPUs
+    differ), outside the strategy's scope. Under
+    `MultiWorkerMirroredStrategy` every worker probes its own device and
+    all get the smallest answer (one small all-reduce; call it on every
+    worker). The result is per replica: each replica's batch.
+
+    **Budget.** `memory_fraction` (default 0.9) of the device's memory: a
+    GPU's total (NVML, or its logical `memory_limit`), or on CPU the host
+    memory available now. Or an explicit `memory_budget_mb`. On CPU,
+    TensorFlow keeps allocator statistics only with `TF_ENABLE_ONEDNN_OPTS=1`
+    set before it starts, and they are process-wide.
+
+    Args:
+        model: a compiled Keras model (Sequential, Functional, or a subclass
+            with `get_config`); it is copied, never trained.
+        data: an `x` array (or dict / list of arrays), an `(x, y)` or `(x, y,
+            sample_weight)` tuple, or a tf.data.Dataset yielding such
+            batches. Its samples are repeated to any batch size.
+        memory_fraction: float in (0, 1], or None (0.9 unless
+            `memory_budget_mb` is given).
+        max_batch_size: int >= 1 or None, the largest batch worth having
+            (e.g. the global batch over the replicas).
+        device: "GPU:1", "CPU:0", ... or None (chosen from the strategy).
+        memory_budget_mb: float > 0 or None, the budget in MB (2**20 bytes).
+        multiple_of: int >= 1, the batch is a multiple of it (e.g. 8 on
+            GPUs with tensor cores).
+        strategy: the training strategy; defaults to the model's.
+        max_trials: int >= 3, the most probe steps (default 16).
+        verbose: int, 1 prints `explain()` (on the chief).
+
+    Returns:
+        A `BatchSizeResult`.
+
+    Raises:
+        ValueError: an argument out of range; a budget below what the
+            smallest batch needs (with the measured peak); data the model
+            cannot train on (with the model's error).
+        TypeError: a model that cannot be copied.
+        RuntimeError: no allocator statistics on the device (says what to
+            set).
+
+    Example:
+
+    ```python
+    # TF_ENABLE_ONEDNN_OPTS=1 for allocator statistics on CPU.
+    model.compile(optimizer="adam", loss="mse")
+    result = keras_mgpu.find_batch_size(model, (x, y), memory_budget_mb=512)
+    print(result.batch_size, result.fixed_mb, result.per_sample_mb)
+    ```
+    """
+    return probe_batch_size(
+        model,
+        data,
+        memory_fraction=memory_fraction,
+        max_batch_size=max_batch_size,
+        device=device,
+        memory_budget_mb=memory_budget_mb,
+        multiple_of=multiple_of,
+        strategy=strategy,
+        max_trials=max_trials,
+        verbose=verbose,
+        accumulate=False,
+    )
+
+
+def probe_batch_size(
+    model: Any,
+    data: Any,
+    *,
+    memory_fraction: float | None,
+    max_batch_size: int | None,
+    device: str | None,
+    memory_budget_mb: float | None,
+    multiple_of: int,
+    strategy: Any,
+    max_trials: int,
+    verbose: int,
+    accumulate: bool,
+) -> BatchSizeResult:
+    """`find_batch_size`, optionally with the copy's optimizer wrapped in
+    `GradientAccumulationOptimizer` (`accumulate`, for `configure_batch`)."""
+    _check_arguments(
+        memory_fraction, memory_budget_mb, max_batch_size, multiple_of
+    )
+    max_trials = check_int(max_trials, "max_trials", minimum=3)
+    verbose = check_int(verbose, "verbose", minimum=0)
+    strategy = current_strategy(
+        strategy or getattr(model, "distribute_strategy", None)
+    )
+    blueprint = probe_module.ModelBlueprint(model, accumulate=accumulate)
+    samples = SampleBatches(data)
+    reader = probe_module.memory_reader()
+    device = _probe_device(strategy, device, reader)
+    budget_mb, source = _budget(
+        device, memory_fraction, memory_budget_mb, reader
+    )
+    start = time.perf_counter()
+    try:
+        outcome = probe_module.run_in_clean_thread(
+            lambda: _search_on_device(
+                blueprint,
+                samples,
+                device,
+                reader,
+                (budget_mb, max_batch_size, multiple_of, max_trials),
+            )
+        )
+        error = None
+    except Exception as exc:  # shared with the other workers, then raised
+        outcome, error = None, exc
+    seconds = time.perf_counter() - start
+    rows = agreement.gather_rows(strategy, _to_row(outcome, budget_mb, seconds))
+    if error is not None:
+        raise _explained(error, memory_fraction, memory_budget_mb, source)
+    failed = [i for i, r in enumerate(rows) if not r[0]]
+    if failed:
+        raise RuntimeError(
+            f"find_batch_size failed on worker(s) {failed}: see their error."
+        )
+    result = _result(rows, outcome, device, source, blueprint.name)
+    if verbose and worker_info(strategy)["is_chief"]:
+        print(result.explain())
+    return result
+
+
+def _check_arguments(
+    memory_fraction, memory_budget_mb, max_batch_size, multiple_of
+) -> None:
+    check_number(
+        memory_fraction,
+        "memory_fraction",
+        minimum=0.0,
+        exclusive_minimum=True,
+        maximum=1.0,
+        allow_none=True,
+    )
+    check_number(
+        memory_budget_mb,
+        "memory_budget_mb",
+        minimum=0.0,
+        exclusive_minimum=True,
+        allow_none=True,
+    )
+    if memory_fraction is not None and memory_budget_mb is not None:
+        raise ValueError(
+            "Pass at most one of `memory_fraction` and `memory_budget_mb`. "
+            f"Received: memory_fraction={memory_fraction}, "
+            f"memory_budget_mb={memory_budget_mb}"
+        )
+    check_int(max_batch_size, "max_batch_size", minimum=1, allow_none=True)
+    check_int(multiple_of, "multiple_of", minimum=1)
+    if max_batch_size is not None and max_batch_size < multiple_of:
+        raise ValueError(
+            f"Argument `max_batch_size` must be >= `multiple_of` "
+            f"({multiple_of}). Received: max_batch_size={max_batch_size}"
+        )
+
+
+def _search_on_device(
+    blueprint, samples, device, reader, search_arguments: tuple
+) -> SearchOutcome:
+    """The search, in the probe thread: build the copy, step, clean up.
+    `search_arguments`: budget, cap, multiple_of, max_trials."""
+    probe = probe_module.StepProbe(blueprint, samples, device, reader)
+    probe.open()
+    try:
+        return search_batch_size(probe.measure, *search_arguments)
+    finally:
+        probe.close()
+
+
+def _short_device(name: str) -> str:
+    spec = tf.DeviceSpec.from_string(name)
+    return f"{(spec.device_type or 'CPU').upper()}:{spec.device_index or 0}"
+
+
+def _probe_device(strategy: Any, device: str | None, reader: Any) -> str:
+    """The device to probe: `device`, else the strategy's compute device
+    with the least memory (the first one when that is unknown)."""
+    logical = [_short_device(d.name) for d in tf.config.list_logical_devices()]
+    if device is not None:
+        if not isinstance(device, str) or _short_device(device) not in logical:
+            raise ValueError(
+                f"Argument `device` must be one of this process's logical "
+                f"devices {logical}. Received: device={device!r}"
+            )
+        return _short_device(device)
+    try:
+        names = list(strategy.extended.worker_devices)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        names = []  # the default strategy has no device list
+    candidates = []
+    for name in names:
+        short = _short_device(name)
+        if short in logical and short not in candidates:
+            candidates.append(short)
+    if not candidates:
+        gpus = [d for d in logical if d.startswith("GPU")]
+        return gpus[0] if gpus else "CPU:0"
+    capacities = [reader.capacity_mb(d) for d in candidates]
+    if len(candidates) > 1 and None not in capacities:
+        return candidates[int(np.argmin(capacities))]
+    return candidates[0]
+
+
+def _budget(
+    device: str, fraction: float | None, budget_mb: float | None, reader: Any
+) -> tuple[float, str]:
+    """(budget in MB, where it came from)."""
+    if budget_mb is not None:
+        return float(budget_mb), "memory_budget_mb"
+    fraction = DEFAULT_MEMORY_FRACTION if fraction is None else fraction
+    if device.startswith("GPU"):
+        capacity = reader.capacity_mb(device)
+        if capacity is None:
+            raise ValueError(
+                f"Cannot tell how much memory {device} has (NVML is not "
+                'available: pip install "keras-mgpu[gpu]"), so '
+                "`memory_fraction` has nothing to take a fraction of. Pass "
+                "`memory_budget_mb` instead."
+            )
+        where = f"of {device}'s {capacity:,.0f} MB"
+    else:
+        import psutil
+
+        capacity = psutil.virtual_memory().available / MB
+        where = f"of the {capacity:,.0f} MB of host memory available"
+    return fraction * capacity, f"memory_fraction={fraction:g} {where}"
+
+
+def _to_row(
+    outcome: SearchOutcome | None, budget_mb: float, seconds: float
+) -> np.ndarray:
+    """The figures every worker shares (all zero when this one failed)."""
+    if outcome is None:
+        return np.zeros(11)
+    best = outcome.best
+    return np.array(
+        [
+            1.0,
+            best.batch_size,
+            outcome.fit.fixed_mb,
+            outcome.fit.per_sample_mb,
+            outcome.predicted_peak_mb,
+            best.peak_mb,
+            (best.seconds or 0.0) / best.batch_size,
+            budget_mb,
+            -1 if outcome.upper_bound is None else outcome.upper_bound,
+            _LIMITS.index(outcome.limited_by),
+            seconds,
+        ],
+        dtype=np.float64,
+    )
+
+
+def _result(rows, outcome, device, source, name) -> BatchSizeResult:
+    """The result of the worker with the smallest batch (ties: lowest task),
+    identical on every worker."""
+    chosen = rows[int(np.argmin(rows[:, 1]))]
+    return BatchSizeResult(
+        batch_size=int(chosen[1]),
+        fixed_mb=float(chosen[2]),
+        per_sample_mb=float(chosen[3]),
+        peak_mb=float(chosen[4]),
+        measured_peak_mb=float(chosen[5]),
+        seconds_per_sample=float(chosen[6]),
+        budget_mb=float(chosen[7]),
+        budget_source=source,
+        upper_bound=None if chosen[8] < 0 else int(chosen[8]),
+        limited_by=_LIMITS[int(chosen[9])],
+        device=device,
+        measurements=tuple(
+            (m.batch_size, m.peak_mb) for m in outcome.measurements
+        ),
+        worker_batch_sizes=tuple(int(b) for b in rows[:, 1]),
+        search_seconds=float(chosen[10]),
+        model_name=name,
+    )
+
+
+def _explained(
+    error: Exception, fraction: float | None, budget: float | None, source
+) -> Exception:
+    """`BudgetTooSmall` as a ValueError naming the budget argument; other
+    errors unchanged."""
+    if not isinstance(error, BudgetTooSmall):
+        return error
+    if budget is not None:
+        argument = f"Argument `memory_budget_mb`={budget:g} is too small"
+    else:
+        argument = (
+            f"Argument `memory_fraction` gives a budget too small ({source})"
+        )
+    first = error.measurement
+    figure = (
+        "it ran out of device memory"
+        if first.out_of_memory
+        else f"its measured peak is {first.peak_mb:,.1f} MB"
+    )
+    message = (
+        f"{argument}: {error}. That is the fixed cost of training this "
+        f"model (weights, optimizer state, one step at batch "
+        f"{first.batch_size}): {figure}."
+    )
+    exc = ValueError(message)
+    exc.__cause__ = error
+    return exc

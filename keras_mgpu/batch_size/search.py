@@ -1,0 +1,339 @@
+"""The search for the largest batch whose training step fits a memory budget.
+
+A pure function of a `measure(batch_size)` callable, so the same search runs
+on TensorFlow's allocator (`memory_probe.StepProbe`) and on the fakes of the
+unit tests (out-of-memory errors included). No TensorFlow here.
+
+The memory of one training step is close to linear in the batch size,
+`peak = fixed + per_sample * batch`, but not exactly: kernels change
+algorithm with the batch, so a line fitted at small batches can be 20-30%
+off at large ones (measured on CPU with oneDNN). The search therefore fits
+the line, jumps to its prediction, and keeps a bracket: the largest batch
+measured to fit (`lo`) and the smallest measured not to (`hi`). Once both
+exist, each new candidate is interpolated between them (kept off the
+bracket's outer quarters), or is their midpoint when the last two steps
+fell on the same side: the allocator's peaks rise in steps and plateaus,
+where interpolation alone creeps towards the answer. It stops when the
+bracket is one resolution step wide (~3%).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+# The search stops when the bracket is at most this fraction of the batch
+# wide (and at least `multiple_of`): ~3%, one "probe step".
+RELATIVE_RESOLUTION = 1 / 32
+# Before a batch that does not fit is known, a candidate is at most this
+# many times the largest batch that fits: an extrapolation from small
+# batches is not trusted further than that.
+MAX_GROWTH = 8
+DEFAULT_MAX_TRIALS = 16
+# The reported line is fitted to the steps at batches >= answer / FIT_RANGE.
+FIT_RANGE = 8
+
+
+class OutOfMemory(Exception):
+    """The device ran out of memory during a training step (the step did
+    not fit, whatever the budget says)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearFit:
+    """`peak_mb = fixed_mb + per_sample_mb * batch_size`, through the
+    measurements at `batch_sizes`."""
+
+    fixed_mb: float
+    per_sample_mb: float
+    batch_sizes: tuple[int, ...]
+
+    @classmethod
+    def through(cls, first: Measurement, second: Measurement) -> LinearFit:
+        """The line through two measurements with peaks (a flat line
+        through one, when both have the same batch size)."""
+        if first.batch_size == second.batch_size:
+            peak = max(first.peak_mb, second.peak_mb)
+            return cls(peak, 0.0, (first.batch_size,))
+        low, high = sorted((first, second), key=lambda m: m.batch_size)
+        slope = (high.peak_mb - low.peak_mb) / (
+            high.batch_size - low.batch_size
+        )
+        return cls(
+            low.peak_mb - slope * low.batch_size,
+            slope,
+            (low.batch_size, high.batch_size),
+        )
+
+    @classmethod
+    def least_squares(cls, measurements: list[Measurement]) -> LinearFit:
+        """The least-squares line through the measurements with peaks (a
+        flat line when they have a single batch size), with `fixed_mb >=
+        0`: a line that would cross zero above batch 0 (allocator steps
+        near the answer can tilt it so) goes through the origin instead."""
+        points = [(m.batch_size, m.peak_mb) for m in measurements]
+        points = [(b, p) for b, p in points if p is not None]
+        sizes = tuple(sorted({b for b, _ in points}))
+        if len(sizes) < 2:
+            return cls(max(p for _, p in points), 0.0, sizes)
+        mean_b = sum(b for b, _ in points) / len(points)
+        mean_p = sum(p for _, p in points) / len(points)
+        slope = sum((b - mean_b) * (p - mean_p) for b, p in points) / sum(
+            (b - mean_b) ** 2 for b, _ in points
+        )
+        if mean_p - slope * mean_b < 0:
+            through_origin = sum(b * p for b, p in points) / sum(
+                b * b for b, _ in points
+            )
+            return cls(0.0, through_origin, sizes)
+        return cls(mean_p - slope * mean_b, slope, sizes)
+
+    def predict(self, batch_size: int) -> float:
+        return self.fixed_mb + self.per_sample_mb * batch_size
+
+    def largest_batch(self, budget_mb: float) -> float:
+        """The (fractional) batch at which the line reaches `budget_mb`;
+        infinite when it never does (a flat or falling line)."""
+        if self.per_sample_mb <= 0:
+            return math.inf
+        return (budget_mb - self.fixed_mb) / self.per_sample_mb
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One measured training step.
+
+    `peak_mb` is None when the step ran out of memory. `predicted_mb` is
+    what the search's line predicted for this batch before it was measured
+    (None for the first two probes).
+    """
+
+    batch_size: int
+    peak_mb: float | None
+    seconds: float | None = None
+    predicted_mb: float | None = None
+
+    @property
+    def out_of_memory(self) -> bool:
+        return self.peak_mb is None
+
+    def fits(self, budget_mb: float) -> bool:
+        return self.peak_mb is not None and self.peak_mb <= budget_mb
+
+
+class BudgetTooSmall(ValueError):
+    """Even the smallest batch's training step exceeds the budget."""
+
+    def __init__(self, message: str, measurement: Measurement) -> None:
+        super().__init__(message)
+        self.measurement = measurement
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOutcome:
+    """What the search found.
+
+    `best`: the largest measurement that fits. `upper_bound`: the smallest
+    batch measured not to fit (None if none was measured). `fit`: the
+    memory model to report, the least-squares line through the peaks
+    measured at batches from 1/`FIT_RANGE` of the answer up (all of them
+    when fewer than two sizes are there): at tiny batches the peak is
+    mostly allocator rounding, and the line should be right where it is
+    used, near the answer.
+    `limited_by`: "memory" (bracket one step wide),
+    "max_batch_size" (the cap fits) or "trials" (the trial budget ran out
+    first). `measurements`: every step, in order.
+    """
+
+    best: Measurement
+    upper_bound: int | None
+    fit: LinearFit
+    limited_by: str
+    measurements: tuple[Measurement, ...]
+
+    @property
+    def predicted_peak_mb(self) -> float:
+        """The fitted line's peak at the answer."""
+        return self.fit.predict(self.best.batch_size)
+
+
+def resolution(batch_size: int, multiple_of: int) -> int:
+    """The search's step near `batch_size`: ~3% of it, a multiple of
+    `multiple_of`."""
+    step = math.ceil(batch_size * RELATIVE_RESOLUTION)
+    return max(multiple_of, multiple_of * math.ceil(step / multiple_of))
+
+
+def search_batch_size(
+    measure: Callable[[int], tuple[float, float]],
+    budget_mb: float,
+    max_batch_size: int | None = None,
+    multiple_of: int = 1,
+    max_trials: int = DEFAULT_MAX_TRIALS,
+) -> SearchOutcome:
+    """The largest multiple of `multiple_of` (up to `max_batch_size`) whose
+    measured step peak is at most `budget_mb`.
+
+    `measure(batch)` runs one training step and returns `(peak_mb,
+    seconds)`, or raises `OutOfMemory`. The first two probes are
+    `multiple_of` and twice that; each later one is chosen as described in
+    the module docstring. Raises `BudgetTooSmall` when the first probe does
+    not fit.
+    """
+    search = _Search(measure, budget_mb, max_batch_size, multiple_of)
+    first = search.run(multiple_of)
+    if not first.fits(budget_mb):
+        what = (
+            "ran out of device memory"
+            if first.out_of_memory
+            else f"peaks at {first.peak_mb:,.1f} MB"
+        )
+        raise BudgetTooSmall(
+            f"one training step at the smallest batch ({multiple_of}) "
+            f"{what}, above the budget of {budget_mb:,.1f} MB",
+            first,
+        )
+    # A second small probe gives the first line, even when the cap allows
+    # only the first batch.
+    search.run(2 * multiple_of)
+    limited_by = "trials"
+    while len(search.measurements) < max_trials:
+        candidate, limited_by = search.next_candidate()
+        if candidate is None:
+            break
+        search.run(candidate)
+    else:
+        _, stop = search.next_candidate()
+        limited_by = stop or "trials"
+    return search.outcome(limited_by)
+
+
+class _Search:
+    """The measurements so far and the bracket they give."""
+
+    def __init__(self, measure, budget_mb, max_batch_size, multiple_of):
+        self._measure = measure
+        self.budget_mb = budget_mb
+        self.max_batch_size = max_batch_size
+        self.multiple_of = multiple_of
+        self.measurements: list[Measurement] = []
+        self._fit: LinearFit | None = None
+
+    def run(self, batch_size: int) -> Measurement:
+        predicted = self._fit.predict(batch_size) if self._fit else None
+        try:
+            peak, seconds = self._measure(batch_size)
+        except OutOfMemory:
+            peak, seconds = None, None
+        measurement = Measurement(batch_size, peak, seconds, predicted)
+        self.measurements.append(measurement)
+        return measurement
+
+    def _fitting(self) -> list[Measurement]:
+        """Measurements that fit, below the cap and below the smallest
+        batch that did not fit (memory is not always monotone in the
+        batch: the conservative answer lies below every failure)."""
+        limit = self.max_batch_size or math.inf
+        failure = self._lowest_failure()
+        if failure is not None:
+            limit = min(limit, failure.batch_size - 1)
+        fitting = [
+            m
+            for m in self.measurements
+            if m.fits(self.budget_mb) and m.batch_size <= limit
+        ]
+        return sorted(fitting, key=lambda m: m.batch_size)
+
+    def _lowest_failure(self) -> Measurement | None:
+        failing = [m for m in self.measurements if not m.fits(self.budget_mb)]
+        return min(failing, key=lambda m: m.batch_size, default=None)
+
+    def _round_down(self, batch: float) -> int:
+        return int(batch // self.multiple_of) * self.multiple_of
+
+    def _cap(self) -> int | None:
+        if self.max_batch_size is None:
+            return None
+        return self._round_down(self.max_batch_size)
+
+    def next_candidate(self) -> tuple[int | None, str]:
+        """(next batch to measure, or None) and why the search would stop
+        here."""
+        fitting = self._fitting()
+        lo = fitting[-1]
+        hi = self._lowest_failure()
+        cap = self._cap()
+        if cap is not None and lo.batch_size >= cap:
+            return None, "max_batch_size"
+        step = resolution(lo.batch_size, self.multiple_of)
+        if hi is not None and hi.batch_size - lo.batch_size <= step:
+            return None, "memory"
+        self._fit = self._line(fitting, hi)
+        upper = hi.batch_size - 1 if hi else lo.batch_size * MAX_GROWTH
+        if cap is not None:
+            upper = min(upper, cap)
+        target = self._fit.largest_batch(self.budget_mb)
+        if hi is not None:
+            target = self._in_bracket(lo.batch_size, hi.batch_size, target)
+        candidate = self._round_down(min(target, upper))
+        if candidate <= lo.batch_size:
+            # The line says lo is the answer: test one step above it, so
+            # the bracket closes (unless the cap is already there).
+            candidate = lo.batch_size + step
+            if cap is not None:
+                candidate = min(candidate, cap)
+        if hi is not None and candidate >= hi.batch_size:
+            candidate = self._round_down((lo.batch_size + hi.batch_size) / 2)
+        measured = {m.batch_size for m in self.measurements}
+        if candidate <= lo.batch_size or candidate in measured:
+            return None, "memory"
+        return candidate, ""
+
+    def _in_bracket(self, lo: int, hi: int, target: float) -> float:
+        """The interpolated `target`, kept off the bracket's outer
+        quarters (so the bracket shrinks by a quarter at least), or the
+        midpoint after two steps on the same side: the allocator's peaks
+        rise in steps and plateaus, where interpolation alone creeps."""
+        if self._same_side_twice():
+            return (lo + hi) / 2
+        width = hi - lo
+        return min(max(target, lo + width / 4), hi - width / 4)
+
+    def _same_side_twice(self) -> bool:
+        """Whether the last two steps both fit, or both did not."""
+        if len(self.measurements) < 4:  # the two first probes do not count
+            return False
+        last, before = self.measurements[-1], self.measurements[-2]
+        return last.fits(self.budget_mb) == before.fits(self.budget_mb)
+
+    def _line(self, fitting: list, hi: Measurement | None) -> LinearFit:
+        """Interpolate between the bracket's ends when the upper one has a
+        peak; else extrapolate from the largest batch that fits and one at
+        most half as large: over a long base the allocator's plateaus
+        average out (two neighbours on one plateau give a flat line)."""
+        lo = fitting[-1]
+        if hi is not None and not hi.out_of_memory:
+            return LinearFit.through(lo, hi)
+        far = [m for m in fitting if 2 * m.batch_size <= lo.batch_size]
+        below = far[-1] if far else fitting[max(len(fitting) - 2, 0)]
+        return LinearFit.through(below, lo)
+
+    def _reported_fit(self, answer: int) -> LinearFit:
+        with_peaks = [m for m in self.measurements if m.peak_mb is not None]
+        near = [m for m in with_peaks if m.batch_size * FIT_RANGE >= answer]
+        if len({m.batch_size for m in near}) >= 2:
+            return LinearFit.least_squares(near)
+        return LinearFit.least_squares(with_peaks)
+
+    def outcome(self, limited_by: str) -> SearchOutcome:
+        fitting = self._fitting()
+        best = fitting[-1]
+        hi = self._lowest_failure()
+        return SearchOutcome(
+            best=best,
+            upper_bound=None if hi is None else hi.batch_size,
+            fit=self._reported_fit(best.batch_size),
+            limited_by=limited_by,
+            measurements=tuple(self.measurements),
+        )

@@ -1,0 +1,175 @@
+"""The batch-size search on synthetic memory curves (no TensorFlow steps):
+linear, staircase (as TensorFlow's CPU allocator gives), quadratic,
+out-of-memory errors, caps, noise."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from keras_mgpu.batch_size.search import (
+    BudgetTooSmall,
+    LinearFit,
+    Measurement,
+    OutOfMemory,
+    _Search,
+    resolution,
+    search_batch_size,
+)
+
+
+def linear(batch):
+    return 20.0 + 0.05 * batch
+
+
+def staircase(batch):
+    # Peaks that rise by whole buffers: flat runs, then jumps of ~6%.
+    return math.floor(0.12 * batch / 6.5) * 6.5
+
+
+def jump(batch):
+    # One extra activation-sized buffer lives on above a threshold.
+    return 23.0 + 0.0125 * batch + (5.0 if batch >= 2400 else 0.0)
+
+
+def quadratic(batch):
+    return 10.0 + 0.01 * batch + 2e-6 * batch**2
+
+
+def _true_largest(curve, budget, multiple_of=1, start=1):
+    batch = start
+    while curve(batch + multiple_of) <= budget:
+        batch += multiple_of
+    return batch
+
+
+def _measure(curve, log=None, oom_above=None):
+    def measure(batch):
+        if log is not None:
+            log.append(batch)
+        if oom_above is not None and batch > oom_above:
+            raise OutOfMemory("fake")
+        return curve(batch), 1e-3 * batch
+
+    return measure
+
+
+@pytest.mark.parametrize("curve", [linear, staircase, jump, quadratic])
+def test_finds_the_largest_batch_within_one_step(curve):
+    # One test per curve, the budgets in a loop: the session fixture's
+    # per-test Keras reset costs more than these searches.
+    for budget in (60.0, 100.0, 300.0, 1000.0):
+        outcome = search_batch_size(_measure(curve), budget)
+        best = outcome.best.batch_size
+        true = _true_largest(curve, budget)
+        assert curve(best) <= budget
+        assert outcome.best.peak_mb == curve(best)
+        assert outcome.limited_by == "memory"
+        # The bracket is one resolution step (~3%) wide, and its upper end
+        # really fails.
+        assert curve(outcome.upper_bound) > budget
+        assert outcome.upper_bound - best <= resolution(best, 1)
+        assert true - best <= resolution(best, 1), (budget, best, true)
+        assert len(outcome.measurements) <= 12
+
+
+def test_linear_memory_is_found_exactly_in_few_steps():
+    outcome = search_batch_size(_measure(linear), 100.0)
+    assert outcome.best.batch_size == 1600
+    assert len(outcome.measurements) <= 8
+    assert outcome.fit.per_sample_mb == pytest.approx(0.05)
+    assert outcome.fit.fixed_mb == pytest.approx(20.0)
+    assert outcome.predicted_peak_mb == pytest.approx(100.0)
+
+
+def test_first_probes_then_growth_at_most_eight_fold():
+    log = []
+    search_batch_size(_measure(linear, log), 1000.0)
+    assert log[:2] == [1, 2]
+    for before, after in zip(log, log[1:]):
+        if all(linear(b) <= 1000.0 for b in log[: log.index(after)]):
+            assert after <= 8 * before
+
+
+def test_out_of_memory_backs_off():
+    # The budget would allow 1,600, but the device runs out above 700
+    # (fragmentation, another process): the search backs off.
+    log = []
+    outcome = search_batch_size(
+        _measure(linear, log, oom_above=700), budget_mb=100.0
+    )
+    assert outcome.best.batch_size <= 700
+    assert 700 - outcome.best.batch_size <= resolution(700, 1)
+    assert any(m.out_of_memory for m in outcome.measurements)
+    assert outcome.upper_bound > 700
+    assert outcome.fit.per_sample_mb == pytest.approx(0.05)
+
+
+def test_out_of_memory_at_the_first_probe_is_budget_too_small():
+    with pytest.raises(BudgetTooSmall, match="ran out of device memory"):
+        search_batch_size(_measure(linear, oom_above=0), 100.0)
+
+
+def test_budget_below_fixed_cost():
+    with pytest.raises(BudgetTooSmall, match="peaks at 20.1 MB") as info:
+        search_batch_size(_measure(linear), 15.0, multiple_of=2)
+    assert info.value.measurement.batch_size == 2
+
+
+def test_max_batch_size_caps_the_answer():
+    log = []
+    outcome = search_batch_size(_measure(linear, log), 100.0, 500)
+    assert outcome.best.batch_size == 500
+    assert outcome.limited_by == "max_batch_size"
+    assert max(log) == 500
+
+
+def test_multiple_of():
+    log = []
+    outcome = search_batch_size(_measure(linear, log), 100.0, multiple_of=8)
+    assert all(batch % 8 == 0 for batch in log)
+    assert outcome.best.batch_size == 1600
+    capped = search_batch_size(_measure(linear), 100.0, 203, multiple_of=8)
+    assert capped.best.batch_size == 200
+
+
+def test_trial_budget():
+    outcome = search_batch_size(_measure(quadratic), 1000.0, max_trials=5)
+    assert len(outcome.measurements) == 5
+    assert outcome.limited_by == "trials"
+    assert quadratic(outcome.best.batch_size) <= 1000.0
+
+
+def test_a_failure_below_a_fit_keeps_the_answer_below_it():
+    # Noise: 300 measured over the budget although 400 was under it. The
+    # conservative answer stays below every failure.
+    peaks = {1: 10.0, 2: 10.5, 400: 90.0, 300: 101.0, 200: 50.0}
+    search = _Search(lambda b: (peaks[b], 0.0), 100.0, None, 1)
+    for batch in (1, 2, 400, 300, 200):
+        search.run(batch)
+    candidate, _ = search.next_candidate()
+    assert 200 < candidate < 300
+    outcome = search.outcome("memory")
+    assert outcome.best.batch_size == 200
+    assert outcome.upper_bound == 300
+
+
+def test_linear_fit():
+    a = Measurement(100, 30.0)
+    b = Measurement(300, 70.0)
+    fit = LinearFit.through(a, b)
+    assert (fit.fixed_mb, fit.per_sample_mb) == (10.0, 0.2)
+    assert fit.largest_batch(50.0) == pytest.approx(200.0)
+    assert LinearFit.through(a, a).largest_batch(50.0) == math.inf
+    lsq = LinearFit.least_squares([a, b, Measurement(200, 50.0)])
+    assert lsq.per_sample_mb == pytest.approx(0.2)
+    assert lsq.batch_sizes == (100, 200, 300)
+    single = LinearFit.least_squares([a, Measurement(100, 32.0)])
+    assert (single.fixed_mb, single.per_sample_mb) == (32.0, 0.0)
+    # A line that would start below zero goes through the origin.
+    steep = LinearFit.least_squares([Measurement(100, 5.0), b])
+    assert steep.fixed_mb == 0.0
+    assert steep.per_sample_mb == pytest.approx(
+        (100 * 5.0 + 300 * 70.0) / (100**2 + 300**2)
+    )
