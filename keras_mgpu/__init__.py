@@ -41,6 +41,7 @@ _EXPORTS = {
 _SUBMODULES = (
     "batch_size",
     "callbacks",
+    "compression",
     "distribute",
     "layers",
     "monitoring",
@@ -55,6 +56,7 @@ if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
     from keras_mgpu import (
         batch_size,  # noqa: F401
         callbacks,  # noqa: F401
+        compression,  # noqa: F401
         distribute,  # noqa: F401
         layers,  # noqa: F401
         monitoring,  # noqa: F401

@@ -42,6 +42,7 @@ IS_TF_KERAS = _flavour.IS_TF_KERAS
 # process with TF_USE_LEGACY_KERAS=1 (see tests/run_suite.py).
 if IS_TF_KERAS:
     collect_ignore_glob = [
+        "compression/*",
         "optimizers/*",
         "schedules/*",
         "callbacks/*",

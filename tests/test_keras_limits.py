@@ -144,6 +144,35 @@ def test_fit_fails_under_parameter_server():
     )
 
 
+def test_apply_always_all_reduces_under_a_strategy():
+    """Keras 3's `Optimizer.apply` sums the gradients it is given over the
+    replicas (`_all_reduce_sum_gradients`), with no public switch such as
+    tf_keras's `skip_gradients_aggregation`. GradientAccumulationOptimizer
+    reduces (and compresses) the mean itself, so it shadows that private
+    method while the inner optimizer's update is traced."""
+    import inspect
+
+    import tensorflow as tf
+
+    from keras_mgpu.compression import CrossDeviceByteCounter
+
+    parameters = inspect.signature(keras.optimizers.Optimizer.apply).parameters
+    assert "skip_gradients_aggregation" not in parameters
+    strategy = make_strategy("mirrored_2")
+    counter = CrossDeviceByteCounter(strategy)
+    with strategy.scope():
+        variable = keras.Variable(np.zeros((3, 4), "float32"))
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build([variable])
+
+    @tf.function
+    def step():
+        strategy.run(lambda: optimizer.apply([tf.ones((3, 4))], [variable]))
+
+    step()
+    counter.remove()
+    assert counter.total_bytes() == 3 * 4 * 4
+    np.testing.assert_allclose(variable.numpy(), -0.2)
 def test_uneven_last_batch_is_weighted_per_replica():
     """Keras averages each replica's mean loss: a last batch of 9 split 5/4
     over 2 replicas weights each sample by its replica (MirroredStrategy;

@@ -16,8 +16,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from keras_mgpu import compression as compression_lib
 from keras_mgpu._flavour import flavour_of, keras_of, tf
 from keras_mgpu._validation import check_bool
+from keras_mgpu.compression.reduce import (
+    all_reduce_sum as all_reduce_sum_by_dtype,
+)
 
 # Base-optimizer arguments both flavours' wrappers refuse: they belong on the
 # inner optimizer, which applies them once per real update.
@@ -41,11 +45,13 @@ MAXIMUM = "maximum"  # `overwrite_with_gradient`: the window's maximum
 
 
 class AccumulatorSlot(NamedTuple):
-    """One trainable variable, its accumulator and how it accumulates."""
+    """One trainable variable, its accumulator, how it accumulates, and the
+    state variables its gradient compression keeps (if any)."""
 
     variable: Any
     accumulator: Any
     kind: str
+    state: tuple = ()
 
 
 def all_finite(tensors: list) -> tf.Tensor:
@@ -128,6 +134,96 @@ def divide_gradient(gradient: Any, divisor: Any) -> Any:
             gradient.values / divisor, gradient.indices, gradient.dense_shape
         )
     return gradient / divisor
+
+
+def is_sparse(gradient: Any) -> bool:
+    return isinstance(gradient, tf.IndexedSlices)
+
+
+def all_reduce_sum(context: Any, grads: list) -> list:
+    """Sum `grads` over the replicas (replica context); repeated rows of
+    sparse gradients, which the sum concatenates, are summed too."""
+    reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+    if context.num_replicas_in_sync == 1:
+        return reduced
+    return [deduplicate_rows(g) if is_sparse(g) else g for g in reduced]
+
+
+# ----------------------------------------------------------------------
+# Gradient compression (keras_mgpu.compression)
+# ----------------------------------------------------------------------
+_NOT_ALL_REDUCING = ("central_storage", "parameter_server")
+
+
+def check_compression(compression: Any, strategy: Any) -> Any:
+    """The compression method `compression` names, checked against the
+    strategy the optimizer is created under."""
+    from keras_mgpu.distribute.strategy import strategy_kind
+
+    method = compression_lib.get(compression)
+    kind = strategy_kind(strategy)
+    if method is not None and kind in _NOT_ALL_REDUCING:
+        raise ValueError(
+            f"Argument `compression={compression!r}` needs a strategy that "
+            f"all-reduces gradients between replicas, but the optimizer is "
+            f"created under {type(strategy).__name__}, which sends every "
+            "gradient to the parameter devices instead (there the "
+            "accumulators themselves live on the parameter devices). Use "
+            "MirroredStrategy or MultiWorkerMirroredStrategy, or "
+            "compression=None."
+        )
+    return method
+
+
+def reduce_before_the_inner(
+    context: Any, grads: list, slots: list, compression: Any
+) -> tuple:
+    """Replica context: all-reduce the window's mean gradient here, once,
+    and give every replica the whole of it.
+
+    `grads` are this replica's shares (they sum over replicas to the mean).
+    Dense ones cross devices through `compression` (float32 when it is
+    None); sparse ones (`tf.IndexedSlices`, a row count known only at run
+    time) always cross as they are, their repeated rows summed. The inner
+    optimizer must then not reduce again.
+
+    Returns `(finite, means, state_values)`: whether the reduced mean (and
+    the method's side information) is finite, identical on every replica
+    because it is computed from all-reduced values; the means; for each
+    slot, the new values of its compression state (empty when unchanged).
+    """
+    means: list = [None] * len(grads)
+    state_values: list = [()] * len(grads)
+    sparse = [i for i, g in enumerate(grads) if is_sparse(g)]
+    dense = [i for i, g in enumerate(grads) if not is_sparse(g)]
+    if sparse:
+        reduced = all_reduce_sum(context, [grads[i] for i in sparse])
+        for i, grad in zip(sparse, reduced):
+            means[i] = grad
+    finite = tf.constant(True)
+    if dense and compression is None:
+        reduced = all_reduce_sum_by_dtype(context, [grads[i] for i in dense])
+        for i, grad in zip(dense, reduced):
+            means[i] = grad
+    elif dense:
+        reduction = compression.all_reduce(
+            context, [grads[i] for i in dense], [slots[i].state for i in dense]
+        )
+        finite = reduction.finite
+        for i, mean, values in zip(
+            dense, reduction.means, reduction.state_values
+        ):
+            means[i] = mean
+            state_values[i] = values
+    return tf.logical_and(finite, all_finite(means)), means, state_values
+
+
+def assign_compression_state(slots: list, state_values: list) -> None:
+    """Write the compression state computed for an applied update (replica
+    context: each replica writes its own copy)."""
+    for slot, values in zip(slots, state_values):
+        for variable, value in zip(slot.state if values else (), values):
+            variable.assign(value)
 
 
 def reject_wrapper_arguments(kwargs: dict, inner_only: tuple) -> None:
@@ -223,12 +319,15 @@ class AccumulationProtocol:
 
     The flavour class must set `inner_optimizer`, `accumulation_steps`,
     `_iterations` (micro-steps), `_pending_steps`, `_skipped_updates`,
-    `_accumulators`, and implement, in replica context, for the
-    `AccumulatorSlot`s of one micro-step:
-    - `_decide(slots) -> (finite, grads)`: whether the window's gradients
-      are finite on every replica (identical everywhere), and what this
-      replica hands the inner optimizer for each slot;
-    - `_apply_to_inner(grads, slots)`: one inner update, then empty the
+    `_accumulators`, `compression` (None or a
+    `keras_mgpu.compression.GradientCompression`), and implement, in replica
+    context, for the `AccumulatorSlot`s of one micro-step:
+    - `_decide(slots, compress) -> (finite, payload)`: whether the window's
+      gradients are finite on every replica (identical everywhere), and
+      what this replica hands the inner optimizer (a nest of tensors:
+      gradients, compression state); `compress` is False before a delayed
+      compression method starts;
+    - `_apply_to_inner(payload, slots)`: one inner update, then empty the
       accumulators;
     - `_reset(slots)`: empty the accumulators.
 
@@ -394,13 +493,27 @@ class AccumulationProtocol:
     def _window_complete(self) -> tf.Tensor:
         return self._pending_steps >= self.accumulation_steps
 
+    def _in_compression_phases(self, update) -> None:
+        """Run `update(compress)` for this window: once, or, for a method
+        that starts compressing after some updates, under a `tf.cond` on
+        whether it has started (the collectives differ between the two, so
+        the choice is taken where a branch may contain them)."""
+        compression = getattr(self, "compression", None)
+        active = (
+            None if compression is None else compression.active(self.iterations)
+        )
+        if active is None:
+            update(True)
+        else:
+            tf.cond(active, lambda: update(True), lambda: update(False))
+
     def _step_in_replica_context(self, slots: list) -> None:
         """No strategy (or one that never merges): all in replica context."""
         self._iterations.assign_add(1)
         self._pending_steps.assign_add(1)
 
-        def update():
-            finite, grads = self._decide(slots)
+        def update(compress):
+            finite, payload = self._decide(slots, compress)
 
             def skip():
                 self._skipped_updates.assign_add(1)
@@ -408,12 +521,16 @@ class AccumulationProtocol:
 
             def apply_update():
                 self._correct_momentum()
-                self._apply_to_inner(grads, slots)
+                self._apply_to_inner(payload, slots)
 
             tf.cond(finite, apply_update, skip)
             self._pending_steps.assign(0)
 
-        tf.cond(self._window_complete(), update, lambda: None)
+        tf.cond(
+            self._window_complete(),
+            lambda: self._in_compression_phases(update),
+            lambda: None,
+        )
 
     def _step_in_cross_replica_context(self, distribution, slots) -> None:
         """Called through `merge_call`.
@@ -430,9 +547,11 @@ class AccumulationProtocol:
         self._pending_steps.assign_add(1)
         extended = distribution.extended
 
-        def update():
-            finite_per_replica, grads_per_replica = (
-                extended.call_for_each_replica(lambda: self._decide(slots))
+        def update(compress):
+            finite_per_replica, payload_per_replica = (
+                extended.call_for_each_replica(
+                    lambda: self._decide(slots, compress)
+                )
             )
             # Every replica computed the same flag from an all-reduce.
             finite = distribution.experimental_local_results(
@@ -442,8 +561,8 @@ class AccumulationProtocol:
             def apply_update():
                 self._correct_momentum()
                 extended.call_for_each_replica(
-                    lambda grads: self._apply_to_inner(grads, slots),
-                    args=(grads_per_replica,),
+                    lambda payload: self._apply_to_inner(payload, slots),
+                    args=(payload_per_replica,),
                 )
 
             def skip_update():
@@ -453,7 +572,11 @@ class AccumulationProtocol:
             tf.cond(finite, apply_update, skip_update)
             self._pending_steps.assign(0)
 
-        tf.cond(self._window_complete(), update, lambda: None)
+        tf.cond(
+            self._window_complete(),
+            lambda: self._in_compression_phases(update),
+            lambda: None,
+        )
 
     def _step(self, slots: list) -> None:
         """After this replica accumulated: count, and update if due."""

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
+from keras_mgpu import compression as compression_lib
 from keras_mgpu._flavour import (
     check_flavour,
     keras_of,
@@ -23,11 +27,15 @@ from keras_mgpu.optimizers._accumulation_common import (
     AccumulationProtocol,
     AccumulatorSlot,
     all_finite,
+    all_reduce_sum,
+    assign_compression_state,
+    check_compression,
     check_inner_is_not_a_wrapper,
     check_momentum_correction,
-    deduplicate_rows,
     divide_gradient,
+    is_sparse,
     overwrites_with_gradient,
+    reduce_before_the_inner,
     reject_wrapper_arguments,
     scatter_add_locally,
     touched_rows,
@@ -42,17 +50,6 @@ _INNER_ONLY_ARGUMENTS = INNER_ONLY_ARGUMENTS + (
     "loss_scale_factor",
     "gradient_accumulation_steps",
 )
-
-
-def _clip_like(optimizer: Any, grads: list) -> list:
-    """Clip `grads` with `optimizer`'s `clipnorm` / `global_clipnorm` /
-    `clipvalue` settings.
-
-    Uses `BaseOptimizer._clip_gradients` (private in Keras 3.10-3.15) so the
-    clipping maths is exactly Keras's own; only *when* it runs changes (on
-    the reduced mean gradient instead of each replica's partial one).
-    """
-    return optimizer._clip_gradients(grads)
 
 
 def _has_clipping(optimizer: Any) -> bool:
@@ -130,17 +127,90 @@ def _check_keras_limits() -> None:
         )
 
 
-def _is_sparse(grad: Any) -> bool:
-    return isinstance(grad, tf.IndexedSlices)
+class _ReductionSkip(threading.local):
+    reductions_skipped: int = 0
 
 
-def _all_reduce_sum(context: Any, grads: list) -> list:
-    """Sum `grads` over the replicas (replica context); repeated rows of
-    sparse gradients, which the sum concatenates, are summed too."""
-    reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
-    if context.num_replicas_in_sync == 1:
-        return reduced
-    return [deduplicate_rows(g) if _is_sparse(g) else g for g in reduced]
+_SKIP_LOCK = threading.Lock()
+_SKIP_USERS: dict = {}  # id(optimizer) -> [optimizer, number of users]
+_skip_seen = _ReductionSkip()
+
+
+def _skipped_reduction(grads_and_vars: Any) -> list:
+    _skip_seen.reductions_skipped += 1
+    return list(grads_and_vars)
+
+
+def _optimizers_within(optimizer: Any) -> list:
+    """`optimizer` and the optimizers it delegates to (a `MultiOptimizer`'s
+    sub-optimizers), found among its attributes."""
+    found, pending = [], [optimizer]
+    while pending:
+        candidate = pending.pop()
+        if any(candidate is f for f in found):
+            continue
+        found.append(candidate)
+        for value in vars(candidate).values():
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            pending.extend(
+                item
+                for item in items
+                if isinstance(item, keras.optimizers.Optimizer)
+            )
+    return found
+
+
+@contextlib.contextmanager
+def _inner_reduction_skipped(optimizer: Any) -> Iterator[None]:
+    """While tracing the inner optimizer's `apply`: gradients given to it are
+    already summed over replicas, so it must not all-reduce them again.
+
+    Keras 3 (TensorFlow backend, read in 3.10-3.15) all-reduces them in the
+    private `TFOptimizer._all_reduce_sum_gradients`, with no public switch
+    (tf_keras has `apply_gradients(skip_gradients_aggregation=True)`). It
+    is shadowed by an identity on the instance (and on the sub-optimizers a
+    `MultiOptimizer` delegates to) for the duration of the trace. Replica
+    threads of a `MirroredStrategy` trace concurrently: the shadow stays
+    while any of them is inside. A trace that never reached the shadow
+    (Keras reduces elsewhere) is an error, not a silent double sum.
+    """
+    targets = _optimizers_within(optimizer)
+    for target in targets:
+        if not hasattr(target, "_all_reduce_sum_gradients"):
+            raise RuntimeError(
+                f"Keras {keras.version()} has no "
+                "`Optimizer._all_reduce_sum_gradients`: "
+                "GradientAccumulationOptimizer cannot keep "
+                f"{type(target).__name__} from all-reducing gradients that "
+                "are already reduced (gradient compression, or clipping "
+                "under several replicas). Tested with Keras 3.10-3.15."
+            )
+    with _SKIP_LOCK:
+        for target in targets:
+            entry = _SKIP_USERS.setdefault(id(target), [target, 0])
+            if entry[1] == 0:
+                vars(target)["_all_reduce_sum_gradients"] = _skipped_reduction
+            entry[1] += 1
+    before = _skip_seen.reductions_skipped
+    try:
+        yield
+    finally:
+        with _SKIP_LOCK:
+            for target in targets:
+                entry = _SKIP_USERS[id(target)]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    vars(target).pop("_all_reduce_sum_gradients", None)
+                    del _SKIP_USERS[id(target)]
+    if _skip_seen.reductions_skipped == before:
+        raise RuntimeError(
+            f"The inner optimizer {type(optimizer).__name__} applied "
+            "gradients without going through Keras's "
+            "`_all_reduce_sum_gradients`; GradientAccumulationOptimizer "
+            "cannot tell whether it reduced them a second time. Gradient "
+            "compression and clipping under several replicas support "
+            "Keras's own optimizers (and MultiOptimizer) only."
+        )
 
 
 def _replica_share(context: Any, grad: Any) -> Any:
@@ -149,7 +219,7 @@ def _replica_share(context: Any, grad: Any) -> Any:
     of a dense gradient; all rows of a sparse one on the first replica and
     none elsewhere, so each row reaches the inner optimizer once."""
     replicas = context.num_replicas_in_sync
-    if not _is_sparse(grad):
+    if not is_sparse(grad):
         return grad / replicas
     if replicas == 1:
         return grad
@@ -163,7 +233,7 @@ def _replica_share(context: Any, grad: Any) -> Any:
 def _slot_kind(grad: Any, variable: Any) -> str:
     if overwrites_with_gradient(variable):
         return MAXIMUM
-    if _is_sparse(grad):
+    if is_sparse(grad):
         return SPARSE
     return DENSE
 
@@ -271,6 +341,7 @@ class GradientAccumulationOptimizer(
         accumulation_steps: int,
         name: str | None = None,
         momentum_correction: bool = False,
+        compression: Any = None,
         **kwargs: Any,
     ) -> None:
         reject_wrapper_arguments(kwargs, _INNER_ONLY_ARGUMENTS)
@@ -281,8 +352,12 @@ class GradientAccumulationOptimizer(
         momentum_correction = check_momentum_correction(
             momentum_correction, inner_optimizer
         )
+        compression = check_compression(
+            compression, tf.distribute.get_strategy()
+        )
         super().__init__(learning_rate=0.0, name=name)
         self.momentum_correction = momentum_correction
+        self.compression = compression
         self.inner_optimizer = inner_optimizer
         self.accumulation_steps = accumulation_steps
         # Loss scaling belongs to the outermost optimizer, as with
@@ -348,6 +423,12 @@ class GradientAccumulationOptimizer(
         self._accumulators = [
             self._add_accumulator(variable) for variable in var_list
         ]
+        # Created for every replica count (one replica does not compress),
+        # so that checkpoints move between replica counts.
+        self._compression_states = [
+            self._add_compression_state(variable, index)
+            for index, variable in enumerate(var_list)
+        ]
         # Under CentralStorageStrategy (and parameter servers) an `ON_READ`
         # variable is one `AggregatingVariable` on the parameter device:
         # replicas' writes are summed into it, so every replica reads the
@@ -367,22 +448,61 @@ class GradientAccumulationOptimizer(
         every replica: `ONLY_FIRST_REPLICA` saves one copy and restores it
         to all.
         """
+        return self._add_replica_local(
+            reference,
+            variable_name(reference).replace("/", "_") + "_accumulator",
+            shape=reference.shape,
+            per_replica=not overwrites_with_gradient(reference),
+        )
+
+    def _add_compression_state(self, reference: Any, index: int) -> tuple:
+        """The state variables the compression method keeps for
+        `reference` (e.g. PowerSGD's residual and factor), or ()."""
+        if self.compression is None:
+            return ()
+        prefix = variable_name(reference).replace("/", "_")
+        return tuple(
+            self._add_replica_local(
+                reference,
+                f"{prefix}_{spec.name}",
+                shape=spec.shape,
+                per_replica=spec.per_replica,
+                initial_value=spec.initial_value,
+            )
+            for spec in self.compression.state_specs(reference, index)
+        )
+
+    def _add_replica_local(
+        self,
+        reference: Any,
+        name: str,
+        shape: tuple,
+        per_replica: bool,
+        initial_value: Any = None,
+    ) -> Any:
+        """An optimizer variable beside `reference`, written by each replica
+        in replica context: `per_replica` values are summed when saved and
+        split when restored (`SUM`); others are the same on every replica
+        (`ONLY_FIRST_REPLICA`)."""
         if isinstance(reference, keras.Variable):
             colocate = reference.value
         else:  # a raw tf.Variable, which plain Keras optimizers accept
             colocate = reference
-        keeps_maximum = overwrites_with_gradient(reference)
-        name = variable_name(reference).replace("/", "_") + "_accumulator"
+        dtype = reference.dtype
+        if initial_value is None:
+            initializer = "zeros"
+        else:
+            initializer = initial_value().astype(
+                keras.backend.standardize_dtype(dtype)
+            )
         with self._distribution_strategy.extended.colocate_vars_with(colocate):
             with keras.name_scope(self.name, caller=self):
                 variable = keras.Variable(
-                    initializer="zeros",
-                    shape=reference.shape,
-                    dtype=reference.dtype,
+                    initializer=initializer,
+                    shape=shape,
+                    dtype=dtype,
                     trainable=False,
-                    aggregation=(
-                        "only_first_replica" if keeps_maximum else "sum"
-                    ),
+                    aggregation="sum" if per_replica else "only_first_replica",
                     synchronization="on_read",
                     name=name,
                 )
@@ -438,14 +558,17 @@ class GradientAccumulationOptimizer(
                 self._trainable_variables,
             )
             return
-        slots = [
-            AccumulatorSlot(
-                variable,
-                self._accumulators[self._get_variable_index(variable)],
-                _slot_kind(grad, variable),
+        slots = []
+        for grad, variable in zip(grads, trainable_variables):
+            index = self._get_variable_index(variable)
+            slots.append(
+                AccumulatorSlot(
+                    variable,
+                    self._accumulators[index],
+                    _slot_kind(grad, variable),
+                    self._compression_states[index],
+                )
             )
-            for grad, variable in zip(grads, trainable_variables)
-        ]
         with keras.name_scope(self.name, caller=self):
             self._accumulate(grads, slots)
             self._step(slots)
@@ -515,64 +638,85 @@ class GradientAccumulationOptimizer(
             return touched_rows(total, divisor)
         return total / divisor
 
-    def _decide(self, slots: list) -> tuple:
-        """Replica context: (finite everywhere?, what the inner receives).
+    def _decide(self, slots: list, compress: bool = True) -> tuple:
+        """Replica context: (finite everywhere?, (what the inner receives,
+        the new compression state)).
 
         The mean gradients come from `_reduce_means` (the update's one
         all-reduce happens there or in the inner optimizer). A variable Keras
         overwrites with its gradient gets the window's maximum, already the
-        same on every replica, and no clipping or averaging.
+        same on every replica, and no clipping, averaging or compression.
         """
         summed = [slot for slot in slots if slot.kind != MAXIMUM]
-        finite, means = self._reduce_means(summed)
-        means = iter(means)
-        grads = [
-            tf.convert_to_tensor(slot.accumulator.value)
-            if slot.kind == MAXIMUM
-            else next(means)
-            for slot in slots
-        ]
+        finite, means, states = self._reduce_means(summed, compress)
+        means, states = iter(means), iter(states)
+        grads, state_values = [], []
+        for slot in slots:
+            if slot.kind == MAXIMUM:
+                grads.append(tf.convert_to_tensor(slot.accumulator.value))
+                state_values.append(())
+            else:
+                grads.append(next(means))
+                state_values.append(next(states))
         maxima = [g for g, slot in zip(grads, slots) if slot.kind == MAXIMUM]
-        return tf.logical_and(finite, all_finite(maxima)), grads
+        finite = tf.logical_and(finite, all_finite(maxima))
+        return finite, (grads, state_values)
 
-    def _reduce_means(self, slots: list) -> tuple:
-        """Replica context: (finite everywhere?, this replica's share of each
-        mean gradient; the inner optimizer's all-reduce sums the shares).
+    def _reduces_before_the_inner(self) -> bool:
+        """Whether the update's all-reduce happens in the wrapper (replica
+        context): with compression, or clipping, under several replicas."""
+        context = tf.distribute.get_replica_context()
+        return context.num_replicas_in_sync > 1 and (
+            self.compression is not None or _has_clipping(self.inner_optimizer)
+        )
 
-        Without clipping each replica hands over its local mean, and the
-        inner optimizer all-reduces it (one all-reduce per update); only a
-        scalar "non-finite" count crosses devices beforehand. With clipping
-        the means are all-reduced here, clipped, and handed over as shares
-        that the inner's own sum restores (its own clipping is then a no-op:
-        each share's norm is below the threshold). Sparse means under
-        several replicas are always reduced here: tf.distribute sums slices
-        by concatenating them, so the inner would see a row touched on two
-        replicas twice, which Keras applies unsummed (Adagrad, RMSprop).
+    def _reduce_means(self, slots: list, compress: bool = True) -> tuple:
+        """Replica context: (finite everywhere?, the mean gradient or this
+        replica's share of it, the new compression state of each slot).
+
+        With compression or clipping under several replicas, the means are
+        all-reduced here once (compressed unless `compress` is False, i.e.
+        before a delayed method starts) and every replica hands the whole
+        mean to the inner optimizer, which then neither reduces again nor
+        clips anything but the reduced mean. Otherwise each replica hands
+        over its local mean and the inner optimizer all-reduces it (one
+        all-reduce per update); only a scalar "non-finite" count crosses
+        devices beforehand. Sparse means under several replicas are reduced
+        here in either case: tf.distribute sums slices by concatenating
+        them, so the inner would see a row touched on two replicas twice,
+        which Keras applies unsummed (Adagrad, RMSprop); they go to the
+        inner as shares (all rows on the first replica).
         """
         context = tf.distribute.get_replica_context()
         local = [self._local_mean(slot) for slot in slots]
-        if _has_clipping(self.inner_optimizer):
-            reduced = _all_reduce_sum(context, local)
-            clipped = _clip_like(self.inner_optimizer, reduced)
-            shares = [_replica_share(context, g) for g in clipped]
-            return all_finite(reduced), shares
-        sparse = [i for i, g in enumerate(local) if _is_sparse(g)]
+        if self._reduces_before_the_inner():
+            compression = self.compression if compress else None
+            return reduce_before_the_inner(context, local, slots, compression)
+        sparse = [i for i, g in enumerate(local) if is_sparse(g)]
         if sparse and context.num_replicas_in_sync > 1:
-            reduced = _all_reduce_sum(context, [local[i] for i in sparse])
+            reduced = all_reduce_sum(context, [local[i] for i in sparse])
             for i, grad in zip(sparse, reduced):
                 local[i] = _replica_share(context, grad)
         nonfinite = tf.cast(tf.logical_not(all_finite(local)), tf.float32)
         nonfinite = context.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
-        return tf.equal(nonfinite, 0.0), local
+        return tf.equal(nonfinite, 0.0), local, [()] * len(local)
 
-    def _apply_to_inner(self, grads: list, slots: list) -> None:
+    def _apply_to_inner(self, payload: tuple, slots: list) -> None:
         """Replica context: one inner update, then empty the accumulators.
 
         Variables Keras overwrites with their gradient go to the inner
         optimizer too, with the window's maximum: its own `apply` assigns
-        them, as without accumulation.
+        them, as without accumulation. The compression state computed for
+        this update is written now (not for a skipped window).
         """
-        self.inner_optimizer.apply(grads, [slot.variable for slot in slots])
+        grads, state_values = payload
+        assign_compression_state(slots, state_values)
+        variables = [slot.variable for slot in slots]
+        if self._reduces_before_the_inner():
+            with _inner_reduction_skipped(self.inner_optimizer):
+                self.inner_optimizer.apply(grads, variables)
+        else:
+            self.inner_optimizer.apply(grads, variables)
         self._reset(slots)
 
     def _reset(self, slots: list) -> None:
@@ -599,6 +743,7 @@ class GradientAccumulationOptimizer(
             "inner_optimizer": inner_config,
             "accumulation_steps": self.accumulation_steps,
             "momentum_correction": self.momentum_correction,
+            "compression": compression_lib.serialize(self.compression),
         }
 
     @classmethod

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_mgpu import compression as compression_lib
 from keras_mgpu._flavour import (
     check_flavour,
     keras_of,
@@ -23,9 +24,12 @@ from keras_mgpu.optimizers._accumulation_common import (
     AccumulationProtocol,
     AccumulatorSlot,
     all_finite,
+    assign_compression_state,
+    check_compression,
     check_inner_is_not_a_wrapper,
     check_momentum_correction,
     divide_gradient,
+    reduce_before_the_inner,
     reject_wrapper_arguments,
     scatter_add_locally,
     touched_rows,
@@ -148,6 +152,7 @@ class GradientAccumulationOptimizer(
         accumulation_steps: int,
         name: str | None = None,
         momentum_correction: bool = False,
+        compression: Any = None,
         **kwargs: Any,
     ) -> None:
         # Written by get_config so tf_keras's deserializer picks the new
@@ -161,10 +166,14 @@ class GradientAccumulationOptimizer(
         momentum_correction = check_momentum_correction(
             momentum_correction, inner_optimizer
         )
+        compression = check_compression(
+            compression, tf.distribute.get_strategy()
+        )
         super().__init__(
             name=name or "GradientAccumulationOptimizer", jit_compile=False
         )
         self.momentum_correction = momentum_correction
+        self.compression = compression
         self.inner_optimizer = inner_optimizer
         self.accumulation_steps = accumulation_steps
         self._accumulators: list = []
@@ -211,6 +220,12 @@ class GradientAccumulationOptimizer(
         self._accumulators = [
             self._add_accumulator(variable) for variable in var_list
         ]
+        # Created for every replica count (one replica does not compress),
+        # so that checkpoints move between replica counts.
+        self._compression_states = [
+            self._add_compression_state(variable, index)
+            for index, variable in enumerate(var_list)
+        ]
         self._built = True
 
     def _add_accumulator(self, reference: Any) -> tf.Variable:
@@ -223,15 +238,58 @@ class GradientAccumulationOptimizer(
         variable next to `reference` instead, to which every replica's
         `assign_add` is summed.
         """
-        strategy = tf.distribute.get_strategy()
         name = reference.name.split(":")[0].replace("/", "_")
+        return self._add_replica_local(
+            reference, f"accumulator/{name}", reference.shape, per_replica=True
+        )
+
+    def _add_compression_state(self, reference: Any, index: int) -> tuple:
+        """The state variables the compression method keeps for
+        `reference` (e.g. PowerSGD's residual and factor), or ()."""
+        if self.compression is None:
+            return ()
+        name = reference.name.split(":")[0].replace("/", "_")
+        return tuple(
+            self._add_replica_local(
+                reference,
+                f"compression/{name}_{spec.name}",
+                spec.shape,
+                per_replica=spec.per_replica,
+                initial_value=spec.initial_value,
+            )
+            for spec in self.compression.state_specs(reference, index)
+        )
+
+    def _add_replica_local(
+        self,
+        reference: Any,
+        name: str,
+        shape: Any,
+        per_replica: bool,
+        initial_value: Any = None,
+    ) -> tf.Variable:
+        """An `ON_READ` optimizer variable beside `reference`, written by
+        each replica in replica context: `per_replica` values are summed
+        when saved and split when restored (`SUM`); others are the same on
+        every replica (`ONLY_FIRST_REPLICA`)."""
+        strategy = tf.distribute.get_strategy()
+        dtype = _true_dtype(reference)
+        if initial_value is None:
+            initial = tf.zeros(shape, dtype=dtype)
+        else:
+            initial = tf.constant(initial_value(), dtype=dtype)
+        aggregation = (
+            tf.VariableAggregation.SUM
+            if per_replica
+            else tf.VariableAggregation.ONLY_FIRST_REPLICA
+        )
         with strategy.extended.colocate_vars_with(reference):
             variable = tf.Variable(
-                tf.zeros(reference.shape, dtype=_true_dtype(reference)),
-                name=f"accumulator/{name}",
+                initial,
+                name=name,
                 trainable=False,
                 synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=tf.VariableAggregation.SUM,
+                aggregation=aggregation,
             )
         self._variables.append(variable)
         return variable
@@ -330,7 +388,12 @@ class GradientAccumulationOptimizer(
                 )
             kind = SPARSE if isinstance(grad, tf.IndexedSlices) else DENSE
             slots.append(
-                AccumulatorSlot(variable, self._accumulators[index], kind)
+                AccumulatorSlot(
+                    variable,
+                    self._accumulators[index],
+                    kind,
+                    self._compression_states[index],
+                )
             )
         return slots
 
@@ -348,41 +411,65 @@ class GradientAccumulationOptimizer(
             else:
                 slot.accumulator.assign_add(grad)
 
-    def _decide(self, slots: list) -> tuple:
-        """Replica context: (finite everywhere?, this replica's share).
+    def _decide(self, slots: list, compress: bool = True) -> tuple:
+        """Replica context: (finite everywhere?, (what this replica hands
+        the inner optimizer, the new compression state)).
 
-        The shares sum, over replicas, to the mean gradient of the window
-        (for a sparse slot: the mean of the rows touched on this replica);
-        the inner optimizer all-reduces them (SUM: Keras scaled the loss by
+        Without compression each replica hands over its share (the shares
+        sum, over replicas, to the mean gradient of the window; for a sparse
+        slot: the mean of the rows touched on this replica); the inner
+        optimizer all-reduces them (SUM: Keras scaled the loss by
         1/replicas) and clips the reduced result. Only a scalar crosses
-        devices here.
+        devices here. With compression under several replicas the mean is
+        all-reduced here, compressed (unless `compress` is False, before a
+        delayed method starts), and every replica hands the whole mean to
+        the inner optimizer with `skip_gradients_aggregation=True`.
         """
         context = tf.distribute.get_replica_context()
-        replicas = context.num_replicas_in_sync
-        local = []
-        for slot in slots:
-            divisor = self.accumulation_steps
-            if not isinstance(
-                slot.accumulator, tf.distribute.DistributedValues
-            ):
-                # One variable shared by the replicas (CentralStorageStrategy
-                # and ParameterServerStrategy make the ON_READ variable an
-                # aggregating one): it holds the whole sum, and every replica
-                # hands over an equal part of it.
-                divisor *= replicas
-            total = tf.identity(slot.accumulator.read_value())
-            if slot.kind == SPARSE:
-                local.append(touched_rows(total, divisor))
-            else:
-                local.append(total / divisor)
+        local = [self._local_mean(slot) for slot in slots]
+        if self._reduces_before_the_inner():
+            compression = self.compression if compress else None
+            finite, means, state_values = reduce_before_the_inner(
+                context, local, slots, compression
+            )
+            return finite, (means, state_values)
         nonfinite = tf.cast(tf.logical_not(all_finite(local)), tf.float32)
         nonfinite = context.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
-        return tf.equal(nonfinite, 0.0), local
+        return tf.equal(nonfinite, 0.0), (local, [()] * len(local))
 
-    def _apply_to_inner(self, grads: list, slots: list) -> None:
-        """Replica context: one inner update, then empty the accumulators."""
+    def _local_mean(self, slot: AccumulatorSlot) -> Any:
+        """This replica's share of a slot's mean gradient."""
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        divisor = self.accumulation_steps
+        if not isinstance(slot.accumulator, tf.distribute.DistributedValues):
+            # One variable shared by the replicas (CentralStorageStrategy
+            # and ParameterServerStrategy make the ON_READ variable an
+            # aggregating one): it holds the whole sum, and every replica
+            # hands over an equal part of it.
+            divisor *= replicas
+        total = tf.identity(slot.accumulator.read_value())
+        if slot.kind == SPARSE:
+            return touched_rows(total, divisor)
+        return total / divisor
+
+    def _reduces_before_the_inner(self) -> bool:
+        """Whether the update's all-reduce happens in the wrapper: with
+        compression under several replicas (tf_keras clips after its own
+        all-reduce, so clipping needs nothing from the wrapper)."""
+        context = tf.distribute.get_replica_context()
+        return context.num_replicas_in_sync > 1 and self.compression is not None
+
+    def _apply_to_inner(self, payload: tuple, slots: list) -> None:
+        """Replica context: one inner update, then empty the accumulators.
+        The compression state computed for this update is written now (not
+        for a skipped window)."""
+        grads, state_values = payload
+        assign_compression_state(slots, state_values)
         variables = [slot.variable for slot in slots]
-        self.inner_optimizer.apply_gradients(zip(grads, variables, strict=True))
+        self.inner_optimizer.apply_gradients(
+            zip(grads, variables, strict=True),
+            skip_gradients_aggregation=self._reduces_before_the_inner(),
+        )
         self._reset(slots)
 
     def _reset(self, slots: list) -> None:
@@ -399,6 +486,7 @@ class GradientAccumulationOptimizer(
             "inner_optimizer": keras.optimizers.serialize(self.inner_optimizer),
             "accumulation_steps": self.accumulation_steps,
             "momentum_correction": self.momentum_correction,
+            "compression": compression_lib.serialize(self.compression),
             # Tells tf_keras's `optimizers.deserialize` this is a new-style
             # (v2.11+) optimizer.
             "is_legacy_optimizer": False,

@@ -197,6 +197,7 @@ def parameter_server_body(task_index: int, num_ps: int = 2) -> dict:
     from _processes import free_ports
 
     from keras_mgpu._flavour import keras, tf
+    from keras_mgpu.optimizers import GradientAccumulationOptimizer
     from keras_mgpu.schedules import Warmup
 
     updates = 3
@@ -224,6 +225,13 @@ def parameter_server_body(task_index: int, num_ps: int = 2) -> dict:
     strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
     with strategy.scope():
         model = _model(keras, accumulate=True, learning_rate=Warmup(BASE_LR, 2))
+        compression_error = None
+        try:  # gradients go to the parameter servers: nothing to compress
+            GradientAccumulationOptimizer(
+                keras.optimizers.SGD(0.1), 2, compression="float16"
+            )
+        except ValueError as exc:
+            compression_error = str(exc)
     history = model.fit(
         _sharded_creator(tf, keras, x, y),
         steps_per_epoch=ACCUMULATION_STEPS * updates,
@@ -241,4 +249,5 @@ def parameter_server_body(task_index: int, num_ps: int = 2) -> dict:
         "pending": int(model.optimizer.pending_steps.numpy()),
         "accumulator_devices": devices,
         "monitor_keys": _monitor_keys(history),
+        "compression_error": compression_error,
     }
