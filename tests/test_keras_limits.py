@@ -173,6 +173,8 @@ def test_apply_always_all_reduces_under_a_strategy():
     counter.remove()
     assert counter.total_bytes() == 3 * 4 * 4
     np.testing.assert_allclose(variable.numpy(), -0.2)
+
+
 def test_uneven_last_batch_is_weighted_per_replica():
     """Keras averages each replica's mean loss: a last batch of 9 split 5/4
     over 2 replicas weights each sample by its replica (MirroredStrategy;

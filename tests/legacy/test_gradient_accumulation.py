@@ -347,8 +347,9 @@ def test_parameter_server_fit_matches_large_batch():
         "/job:ps/replica:0/task:1",
     ]
     assert result["monitor_keys"]
-    assert "needs a strategy that all-reduces gradients" in (
-        result["compression_error"]
+    assert (
+        "needs a strategy that all-reduces gradients"
+        in (result["compression_error"])
     )
     assert "ParameterServerStrategy" in result["compression_error"]
 
