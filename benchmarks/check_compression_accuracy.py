@@ -16,7 +16,8 @@ then one summary line: mean accuracy per method and its difference from
 float32 (the target: within 1 point).
 
 Usage: python benchmarks/check_compression_accuracy.py [--epochs 10]
-       [--seeds 0 1 2]
+       [--seeds 0 1 2] [--methods float32 power_sgd]
+       [--power-sgd-rank 2] [--power-sgd-start 0]
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ ACCUMULATION = 2
 PER_REPLICA_BATCH = 32
 
 
+POWER_SGD = {"rank": 2, "start_after_updates": 0}
+
+
 def _method(name: str):
     from keras_mgpu.compression import PowerSGD
 
@@ -42,7 +46,7 @@ def _method(name: str):
         "float32": None,
         "float16": "float16",
         "bfloat16": "bfloat16",
-        "power_sgd": PowerSGD(rank=2),
+        "power_sgd": PowerSGD(**POWER_SGD),
     }[name]
 
 
@@ -109,7 +113,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--methods", nargs="+", default=list(METHODS), choices=METHODS
+    )
+    parser.add_argument("--power-sgd-rank", type=int, default=2)
+    parser.add_argument(
+        "--power-sgd-start",
+        type=int,
+        default=0,
+        help="PowerSGD's start_after_updates (the demo: 11 updates/epoch)",
+    )
     args = parser.parse_args()
+    POWER_SGD.update(
+        rank=args.power_sgd_rank, start_after_updates=args.power_sgd_start
+    )
+    methods = ["float32"] + [m for m in args.methods if m != "float32"]
 
     from keras_mgpu.demo import configure_devices, load_digits_split
 
@@ -119,10 +137,10 @@ def main() -> None:
 
     strategy = tf.distribute.MirroredStrategy()
     data = load_digits_split(seed=0)
-    accuracies: dict = {m: [] for m in METHODS}
+    accuracies: dict = {m: [] for m in methods}
     for seed in args.seeds:
         runs = {
-            m: _train(strategy, data, m, seed, args.epochs) for m in METHODS
+            m: _train(strategy, data, m, seed, args.epochs) for m in methods
         }
         plain = runs["float32"]
         moved = max(
@@ -158,6 +176,7 @@ def main() -> None:
             {
                 "benchmark": "compression_accuracy_summary",
                 "seeds": args.seeds,
+                "power_sgd": POWER_SGD,
                 "mean_test_accuracy": {m: round(v, 4) for m, v in mean.items()},
                 "mean_minus_float32_points": {
                     m: round(100 * (v - mean["float32"]), 2)
