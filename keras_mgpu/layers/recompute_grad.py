@@ -9,7 +9,6 @@ is traded for one extra forward pass.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from keras_mgpu._flavour import (
@@ -19,21 +18,13 @@ from keras_mgpu._flavour import (
     register_serializable,
     tf,
 )
+from keras_mgpu._layer_calls import accepts
 from keras_mgpu.layers._recompute_engine import (
     check_replayable,
     recompute,
     set_keras_mask,
 )
 from keras_mgpu.layers.recompute_in_place import is_recomputed_in_place
-
-
-def _accepts(layer: Any, argument: str) -> bool:
-    """Whether `layer.call` names `argument` (Keras's own test for passing
-    `training` and `mask`)."""
-    try:
-        return argument in inspect.signature(layer.call).parameters
-    except (TypeError, ValueError):  # pragma: no cover - builtins
-        return False
 
 
 @register_serializable
@@ -132,8 +123,8 @@ class RecomputeGrad(keras.layers.Wrapper):
             # this flag tf_keras asks `compute_mask` again, which for a
             # Sequential or functional block runs the whole block once more.
             self._compute_output_and_mask_jointly = True
-        self._layer_accepts_mask = _accepts(layer, "mask")
-        self._layer_accepts_training = _accepts(layer, "training")
+        self._layer_accepts_mask = accepts(layer, "mask")
+        self._layer_accepts_training = accepts(layer, "training")
 
     def build(self, input_shape: Any = None) -> None:
         if not self.layer.built:

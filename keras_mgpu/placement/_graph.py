@@ -8,12 +8,12 @@ spots).
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import numpy as np
 
 from keras_mgpu._flavour import check_flavour, keras_of, object_flavour
+from keras_mgpu._layer_calls import accepts
 
 # Placement is Keras 3 only, whatever TF_USE_LEGACY_KERAS says.
 keras = keras_of("keras3")
@@ -73,15 +73,6 @@ def producer(tensor: Any) -> Any:
     """The layer that made a symbolic tensor (Keras 3.15 keeps it in the
     tensor's `_keras_history`, which Keras's own cloning reads)."""
     return tensor._keras_history[0]
-
-
-def accepts(layer: Any, argument: str) -> bool:
-    """Whether `layer.call` names `argument` (Keras's own test for passing
-    `training` and `mask`)."""
-    try:
-        return argument in inspect.signature(layer.call).parameters
-    except (TypeError, ValueError):  # pragma: no cover - builtins
-        return False
 
 
 def rebuild(model: Any, clone_function: Any) -> Any:

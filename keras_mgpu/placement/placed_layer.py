@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import warnings
 from typing import Any
 
@@ -15,6 +14,7 @@ from keras_mgpu._flavour import (
     register_serializable,
     tf,
 )
+from keras_mgpu._layer_calls import accepts
 from keras_mgpu.placement import micro_batch_groups
 from keras_mgpu.placement.devices import (
     canonical_device,
@@ -43,15 +43,6 @@ def _set_keras_mask(tensor: Any, mask: Any) -> None:
     from keras.src.backend.common.masking import set_keras_mask
 
     set_keras_mask(tensor, mask)
-
-
-def _accepts(layer: Any, argument: str) -> bool:
-    """Whether `layer.call` names `argument` (Keras's own test for passing
-    `training` and `mask`)."""
-    try:
-        return argument in inspect.signature(layer.call).parameters
-    except (TypeError, ValueError):  # pragma: no cover - builtins
-        return False
 
 
 def _differentiable(variable: Any) -> bool:
@@ -138,8 +129,8 @@ class PlacedLayer(keras.layers.Layer):
         # Pass inputs to the wrapped layer as they come (it converts them).
         self._convert_input_args = False
         self._allow_non_tensor_positional_args = True
-        self._layer_accepts_mask = _accepts(layer, "mask")
-        self._layer_accepts_training = _accepts(layer, "training")
+        self._layer_accepts_mask = accepts(layer, "mask")
+        self._layer_accepts_training = accepts(layer, "training")
         self._warned_missing = False
 
     def _scope(self):
