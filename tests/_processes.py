@@ -147,6 +147,20 @@ def _tails(logs) -> str:
     return "".join(out)
 
 
+def cluster_tasks(
+    num_workers: int, chief: bool = False, evaluator: bool = False
+) -> list[tuple[str, int]]:
+    """The `(task type, index)` of each process of a test cluster, in the
+    order the processes are started (and results returned): the chief (if
+    any), the workers, the evaluator (if any). `num_workers` counts the
+    collective members, the chief included."""
+    tasks = [("chief", 0)] if chief else []
+    tasks += [("worker", i) for i in range(num_workers - len(tasks))]
+    if evaluator:
+        tasks.append(("evaluator", 0))
+    return tasks
+
+
 def run_workers(
     target: str,
     num_workers: int = 2,
@@ -154,19 +168,29 @@ def run_workers(
     args: tuple = (),
     env: dict[str, str] | None = None,
     may_die: tuple[int, ...] = (),
+    chief: bool = False,
+    evaluator: bool = False,
 ) -> list[Any]:
-    """Run `target` in `num_workers` MultiWorkerMirrored worker processes.
+    """Run `target` in the processes of a MultiWorkerMirrored cluster on
+    127.0.0.1: `num_workers` collective members (worker-only, or
+    `chief=True`: `chief:0` plus `worker:0..n-2`, as Kubeflow's TFJob and
+    TensorFlow's guides write it), plus an `evaluator:0` task that is not a
+    collective member when `evaluator=True`. `target(position, *args)` runs
+    in each, `position` being its place in `cluster_tasks(...)`.
 
-    Workers listed in `may_die` may exit abnormally (a test kills them):
+    Processes listed in `may_die` may exit abnormally (a test kills them):
     their result is then None instead of a failure.
     """
-    ports = free_ports(num_workers)
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    tasks = cluster_tasks(num_workers, chief, evaluator)
+    ports = iter(free_ports(len(tasks)))
+    cluster: dict[str, list[str]] = {}
+    for task_type, _ in tasks:
+        cluster.setdefault(task_type, []).append(f"127.0.0.1:{next(ports)}")
     envs = []
-    for index in range(num_workers):
+    for task_type, index in tasks:
         tf_config = {
             "cluster": cluster,
-            "task": {"type": "worker", "index": index},
+            "task": {"type": task_type, "index": index},
         }
         envs.append(
             _child_env({**(env or {}), "TF_CONFIG": json.dumps(tf_config)})

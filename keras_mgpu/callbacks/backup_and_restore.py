@@ -180,7 +180,7 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         info = worker_info(strategy)
         self._is_chief = bool(info["is_chief"]) or not together
         self._num_workers = int(info["num_workers"]) if together else 1
-        self._task_id = int(info["task_id"] or 0) if together else 0
+        self._task_id = int(info["rank"] or 0) if together else 0
         metadata = self._read_metadata()
         if self._num_workers > 1:
             self._check_workers_agree(metadata)

@@ -89,7 +89,7 @@ class GPULoadMonitor(*callback_bases()):
     NVML is shut down with it; a later `fit` starts afresh.
 
     **Under tf.distribute** every worker samples its own GPUs; in a
-    multi-worker cluster its keys carry a `w<task_id>_` prefix; with
+    multi-worker cluster its keys carry a `w<rank>_` prefix; with
     `gather_workers=True` every worker (the chief included) also logs the
     other workers' figures, exchanged at each epoch end.
 
@@ -107,9 +107,9 @@ class GPULoadMonitor(*callback_bases()):
         gather_workers: bool, in a cluster of several workers, also log every
             other worker's figures (one collective all-reduce of a small
             matrix per epoch), so the chief's History / CSV / TensorBoard
-            hold the whole cluster. Implies the `w<task_id>_` prefix.
+            hold the whole cluster. Implies the `w<rank>_` prefix.
             Defaults to False.
-        worker_prefix: bool or None, force the `w<task_id>_` prefix on or
+        worker_prefix: bool or None, force the `w<rank>_` prefix on or
             off; None (default) adds it when the cluster has several
             workers.
         backend: an object with `open`/`sample`/`close`/`devices` (see

@@ -60,7 +60,7 @@ class MemoryMonitor(*callback_bases()):
     accumulation, recompute, a smaller batch), once per device per `fit`.
 
     **Under tf.distribute** each worker of a multi-worker cluster reports
-    its own devices into its own logs; keys then carry a `w<task_id>_`
+    its own devices into its own logs; keys then carry a `w<rank>_`
     prefix (`mem/w1_gpu0_peak_mb`) so the workers' CSV files can be merged.
     With `gather_workers=True` every worker (the chief included) also logs
     the other workers' figures, exchanged at each epoch end.
@@ -78,9 +78,9 @@ class MemoryMonitor(*callback_bases()):
         gather_workers: bool, in a cluster of several workers, also log every
             other worker's figures (one collective all-reduce of a small
             matrix per epoch), so the chief's History / CSV / TensorBoard
-            hold the whole cluster. Implies the `w<task_id>_` prefix.
+            hold the whole cluster. Implies the `w<rank>_` prefix.
             Defaults to False.
-        worker_prefix: bool or None, force the `w<task_id>_` prefix on or
+        worker_prefix: bool or None, force the `w<rank>_` prefix on or
             off; None (default) adds it when the cluster has several
             workers.
         reader: a `TFMemoryReader` or stand-in; TensorFlow's when None.

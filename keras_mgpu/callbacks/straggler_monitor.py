@@ -93,7 +93,7 @@ class StragglerMonitor(*callback_bases()):
             )
         info = worker_info(strategy)
         self._strategy = strategy
-        self._task = int(info["task_id"] or 0)
+        self._task = int(info["rank"] or 0)
         self._workers = int(info["num_workers"])
         self._local = max(len(strategy.extended.worker_devices), 1)
         names = ("step_ms", "wait_ms", "busy_ms")

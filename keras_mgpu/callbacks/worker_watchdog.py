@@ -108,7 +108,7 @@ class WorkerWatchdog(*callback_bases()):
         if strategy is None or not is_multi_worker(strategy):
             return
         info = worker_info(strategy)
-        task = int(info["task_id"] or 0)
+        task = int(info["rank"] or 0)
         self._status = WorkerStatus(
             task, int(info["num_workers"]), _address(strategy, task)
         )
@@ -212,10 +212,9 @@ class WorkerWatchdog(*callback_bases()):
         return True
 
 
-def _address(strategy: Any, task: int) -> str:
-    """This worker's address in the cluster spec ("" if unknown)."""
-    try:
-        spec = strategy.cluster_resolver.cluster_spec().as_dict()
-        return str(spec["worker"][task])
-    except Exception:  # a cluster without a worker job list
-        return ""
+def _address(strategy: Any, rank: int) -> str:
+    """This worker's task and address ("chief:0 (host:port)")."""
+    from keras_mgpu.distribute.strategy import member_names
+
+    names = member_names(strategy)
+    return names[rank] if rank < len(names) else ""

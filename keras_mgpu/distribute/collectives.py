@@ -41,7 +41,8 @@ def sum_over_workers(strategy: Any, matrix: np.ndarray) -> np.ndarray:
 
 def gather_rows(strategy: Any, row: np.ndarray) -> np.ndarray:
     """Every worker's `row` as a `[num_workers, len(row)]` float64 matrix,
-    in task order, on every worker (`row[None]` without several workers).
+    in rank order (`worker_info(strategy)["rank"]`: the chief, then the
+    workers), on every worker (`row[None]` without several workers).
 
     Every worker must call it at the same point: one SUM all-reduce of a
     zero matrix in which each worker filled its own row, exact in float64.
@@ -53,5 +54,5 @@ def gather_rows(strategy: Any, row: np.ndarray) -> np.ndarray:
         return row[None]
     info = worker_info(strategy)
     matrix = np.zeros((info["num_workers"], row.size), dtype=np.float64)
-    matrix[int(info["task_id"] or 0)] = row
+    matrix[info["rank"]] = row
     return sum_over_workers(strategy, matrix)

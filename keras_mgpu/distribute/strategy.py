@@ -124,12 +124,14 @@ def strategy_kind(strategy: tf.distribute.Strategy | None = None) -> str:
 
 def is_multi_worker(strategy: tf.distribute.Strategy | None = None) -> bool:
     """Whether `strategy` runs synchronous replicas in several worker
-    processes (a `MultiWorkerMirroredStrategy` cluster of 2+ workers)."""
+    processes (a `MultiWorkerMirroredStrategy` cluster of 2+ workers, seen
+    from one of its members: an `evaluator` task trains nothing with the
+    others)."""
     strategy = current_strategy(strategy)
-    return (
-        strategy_kind(strategy) == "multi_worker_mirrored"
-        and worker_info(strategy)["num_workers"] > 1
-    )
+    if strategy_kind(strategy) != "multi_worker_mirrored":
+        return False
+    info = worker_info(strategy)
+    return info["num_workers"] > 1 and info["rank"] is not None
 
 
 def worker_info(
@@ -137,15 +139,31 @@ def worker_info(
 ) -> dict[str, Any]:
     """This process's place in the cluster.
 
-    Returns a dict with `task_type`, `task_id`, `num_workers` and `is_chief`
-    (True on the single process of a one-machine run, and on worker 0 or the
-    `chief` task of a cluster).
+    A task is identified by its `(task type, index)`: in a `TF_CONFIG` with
+    a `chief` and `worker` tasks (Kubeflow's TFJob, TensorFlow's guides),
+    `chief:0` and `worker:0` are two processes. Every keras_mgpu component
+    reads identity here, never from the index alone.
+
+    Returns a dict with
+    - `task_type`, `task_id`: as in `TF_CONFIG` (None on one machine);
+    - `rank`: this task's position among the collective members, in the
+      order `MultiWorkerMirroredStrategy` uses (the chief first, then the
+      workers by index): 0 .. num_workers - 1; None for a task that is not
+      a member (an `evaluator`);
+    - `num_workers`: collective members (`chief` + `worker` tasks);
+    - `is_chief`: True on the single process of a one-machine run, on the
+      `chief` task, and on `worker:0` of a cluster without a chief;
+    - `task_name`: "chief:0", "worker:1", ... ("local" on one machine).
     """
     strategy = current_strategy(strategy)
+    task_type, task_id, cluster = _cluster_of(strategy)
+    return task_identity(cluster, task_type, task_id)
+
+
+def _cluster_of(strategy: Any) -> tuple[Any, Any, dict[str, Any]]:
     resolver = getattr(strategy, "cluster_resolver", None)
     task_type = getattr(resolver, "task_type", None)
     task_id = getattr(resolver, "task_id", None)
-    num_workers = 1
     cluster: dict[str, Any] = {}
     if resolver is not None:
         try:
@@ -157,19 +175,57 @@ def worker_info(
         cluster = config.get("cluster", {})
         task_type = config.get("task", {}).get("type")
         task_id = config.get("task", {}).get("index")
-    if cluster:
-        num_workers = len(cluster.get("worker", [])) + len(
-            cluster.get("chief", [])
-        )
-    if task_type in (None, "chief"):
-        is_chief = True
+    return task_type, task_id, cluster
+
+
+def task_identity(
+    cluster: dict[str, Any], task_type: str | None, task_id: int | None
+) -> dict[str, Any]:
+    """`worker_info` for a task of a cluster spec (`{"chief": [...],
+    "worker": [...], "evaluator": [...]}`), without a strategy."""
+    members = cluster_members(cluster)
+    num_workers = max(len(members), 1)
+    index = int(task_id or 0)
+    if task_type is None or not members:
+        rank: int | None = 0
+    elif (task_type, index) in [(t, i) for t, i, _ in members]:
+        rank = [(t, i) for t, i, _ in members].index((task_type, index))
     else:
-        is_chief = (
-            task_type == "worker" and task_id == 0 and ("chief" not in cluster)
-        )
+        rank = None  # an evaluator or another non-member task
+    has_chief = bool(cluster.get("chief"))
+    is_chief = task_type in (None, "chief") or (
+        task_type == "worker" and index == 0 and not has_chief
+    )
     return {
         "task_type": task_type,
         "task_id": task_id,
-        "num_workers": max(num_workers, 1),
+        "rank": rank,
+        "num_workers": num_workers,
         "is_chief": is_chief,
+        "task_name": "local" if task_type is None else f"{task_type}:{index}",
     }
+
+
+def cluster_members(cluster: dict[str, Any]) -> list[tuple[str, int, str]]:
+    """The collective members of a cluster spec as `(task type, index,
+    address)`, in rank order: the chief, then the workers (as
+    `MultiWorkerMirroredStrategy` orders them; `evaluator` and `ps` tasks
+    are not members)."""
+    members = []
+    for task_type in ("chief", "worker"):
+        tasks = cluster.get(task_type) or []
+        if isinstance(tasks, dict):  # sparse specs: {index: address}
+            items = sorted((int(k), v) for k, v in tasks.items())
+        else:
+            items = list(enumerate(tasks))
+        members += [(task_type, i, str(address)) for i, address in items]
+    return members
+
+
+def member_names(strategy: tf.distribute.Strategy | None = None) -> list[str]:
+    """ "chief:0 (host:port)", "worker:0 (host:port)", ... by rank."""
+    _, _, cluster = _cluster_of(current_strategy(strategy))
+    members = cluster_members(cluster)
+    if not members:
+        return ["local"]
+    return [f"{t}:{i} ({address})" for t, i, address in members]

@@ -91,7 +91,7 @@ class WorkerGathering:
         from keras_mgpu.monitoring.log_keys import worker_prefix
 
         info = worker_info(strategy)
-        self.task_id = int(info["task_id"] or 0)
+        self.task_id = int(info["rank"] or 0)
         self.num_workers = int(info["num_workers"])
         active = self.enabled and self.num_workers > 1
         if active and not isinstance(

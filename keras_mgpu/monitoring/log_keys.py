@@ -27,7 +27,8 @@ _KEY = re.compile(r"^[a-z]+/[a-z0-9_]+$")
 
 
 def worker_prefix(enabled: bool | None, strategy=None) -> str:
-    """`w<task_id>_`, or "" on a single worker.
+    """`w<rank>_` (the chief is w0, then the workers), or "" on a single
+    worker.
 
     `enabled=None` adds it only when the cluster has several workers.
     """
@@ -36,7 +37,8 @@ def worker_prefix(enabled: bool | None, strategy=None) -> str:
         enabled = info["num_workers"] > 1
     if not enabled:
         return ""
-    return f"w{info['task_id'] or 0}_"
+    # The rank, not the task index: chief:0 and worker:0 are two tasks.
+    return f"w{info['rank'] or 0}_"
 
 
 def make_key(group: str, name: str, prefix: str = "") -> str:
