@@ -21,9 +21,11 @@ class BatchSetup:
     """What `configure_batch` decided, ready to use.
 
     Attributes:
-        per_replica_batch_size, accumulation_steps, num_replicas,
-            global_batch_size: `global = per_replica x replicas x
-            accumulation`, exactly.
+        per_replica_batch_size: the micro-batch of each replica.
+        accumulation_steps: micro-steps per optimizer update.
+        num_replicas: replicas in sync.
+        global_batch_size: `per_replica_batch_size x num_replicas x
+            accumulation_steps`, exactly.
         optimizer: a fresh copy of the model's optimizer (its configuration,
             not its state), wrapped in `GradientAccumulationOptimizer` when
             `accumulation_steps > 1`; created in the strategy's scope.
@@ -101,8 +103,10 @@ def configure_batch(
             rate was tuned for; with it, the rate is scaled to the global
             batch (`LearningRateScaler`).
         scaling_rule: "linear" (default) or "sqrt".
-        memory_fraction, memory_budget_mb, device, multiple_of: as in
-            `find_batch_size`.
+        memory_fraction: as in `find_batch_size`.
+        memory_budget_mb: as in `find_batch_size`.
+        device: as in `find_batch_size`.
+        multiple_of: as in `find_batch_size`.
         max_batch_size: int >= 1 or None, a cap on the micro-batch besides
             memory.
         min_fill: as in `plan_batch`.

@@ -100,8 +100,9 @@ class TFMemoryReader:
     total memory from NVML), else None.
 
     Args:
-        get_memory_info, reset_memory_stats: callables or None (tests);
-            TensorFlow's when None.
+        get_memory_info: callable or None (tests); TensorFlow's when None.
+        reset_memory_stats: callable or None (tests); TensorFlow's when
+            None.
         gpu_totals_mb: callable or None returning `{position: MB}` of the
             physical GPUs; read through NVML when None.
     """

@@ -36,7 +36,9 @@ class PlacedModel(keras.Model):
     placement included.
 
     Args:
-        inputs, outputs, name: as for `keras.Model(inputs, outputs)`.
+        inputs: as for `keras.Model(inputs, outputs)`.
+        outputs: as for `keras.Model(inputs, outputs)`.
+        name: str or None, the model's name.
 
     Example:
 

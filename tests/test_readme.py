@@ -1,0 +1,64 @@
+"""The README's quick start runs as written, and its links resolve."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from _processes import REPO_ROOT, run_in_process
+
+README = os.path.join(REPO_ROOT, "README.md")
+
+
+def _section(title: str) -> str:
+    text = open(README, encoding="utf-8").read()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else None]
+
+
+def quick_start_code() -> str:
+    match = re.search(r"```python\n(.*?)```", _section("Quick start"), re.S)
+    assert match, "the README's quick start has no python block"
+    return match.group(1)
+
+
+def run_quick_start(index: int, workdir: str) -> dict:
+    """Child process: run the quick start in `workdir` (it writes run.csv)."""
+    os.chdir(workdir)
+    namespace: dict = {"__name__": "__main__"}
+    exec(compile(quick_start_code(), "README quick start", "exec"), namespace)
+    model = namespace["model"]
+    with open("run.csv") as f:
+        header = f.readline().strip().split(",")
+    return {
+        "updates": int(model.optimizer.iterations.numpy()),
+        "columns": header,
+        "micro_steps": int(model.optimizer.micro_steps.numpy()),
+    }
+
+
+def test_the_quick_start_runs_as_written(tmp_path):
+    result = run_in_process(
+        "test_readme:run_quick_start", timeout=240, args=(str(tmp_path),)
+    )
+    # 4096 samples / 64 per step = 64 micro-steps per epoch, 3 epochs.
+    assert result["micro_steps"] == 3 * 64
+    assert result["updates"] == 3 * 64 // 4
+    assert "learning_rate" in result["columns"]
+    assert any(c.startswith("mem/") for c in result["columns"])
+
+
+def test_the_readme_links_resolve():
+    text = open(README, encoding="utf-8").read()
+    for target in re.findall(r"\]\(([^)#]+\.md)\)", text):
+        assert os.path.exists(os.path.join(REPO_ROOT, target)), target
+
+
+def test_the_readme_has_the_two_set_up_commands_first():
+    text = open(README, encoding="utf-8").read()
+    first = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    lines = [line for line in first.splitlines() if line.strip()]
+    assert len(lines) == 2
+    assert lines[1].endswith("tests/run_suite.py")
+    assert len(text.splitlines()) <= 200
