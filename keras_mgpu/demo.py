@@ -169,11 +169,12 @@ def build_model(recompute: bool = True) -> Any:
 
 
 class ProgressBar(keras.callbacks.Callback):
-    """One line per epoch, and a live bar over the whole run on a terminal.
+    """One line per epoch, and on a terminal a live `keras.utils.Progbar`
+    over the whole run.
 
-    Keras's own progress bar draws one bar per epoch with every log key on
-    it, which the monitors make too wide to read; this one shows loss,
-    accuracy, validation accuracy and learning rate.
+    Keras's own per-epoch bar shows every log key, which the monitors make
+    too wide to read; this shows loss and accuracy live, and loss,
+    accuracy, validation accuracy and learning rate once per epoch.
     """
 
     def __init__(
@@ -184,47 +185,47 @@ class ProgressBar(keras.callbacks.Callback):
         self.steps_per_epoch = steps_per_epoch
         self.stream = stream or sys.stdout
         self.live = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._last_draw = 0.0
+        self._progbar: Any = None
         self._epoch = 0
         self._epoch_start = 0.0
 
-    def _bar(self, done: float, width: int = 28) -> str:
-        filled = int(round(width * min(max(done, 0.0), 1.0)))
-        return "[" + "#" * filled + "-" * (width - filled) + "]"
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if self.live:
+            # Keras's bar writes to sys.stdout, which is our stream here.
+            self._progbar = keras.utils.Progbar(
+                self.epochs * self.steps_per_epoch,
+                width=28,
+                stateful_metrics=["loss", "accuracy"],
+                unit_name="step",
+            )
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
         self._epoch_start = time.perf_counter()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        now = time.perf_counter()
-        if not self.live or now - self._last_draw < 0.1:
+        if self._progbar is None:
             return
-        self._last_draw = now
         logs = logs or {}
-        done = (self._epoch + (batch + 1) / self.steps_per_epoch) / (
-            self.epochs
-        )
-        self.stream.write(
-            f"\r{self._bar(done)} {100 * done:3.0f}%  epoch "
-            f"{self._epoch + 1}/{self.epochs}  loss "
-            f"{float(logs.get('loss', math.nan)):.4f}  accuracy "
-            f"{float(logs.get('accuracy', math.nan)):.4f}   "
-        )
-        self.stream.flush()
+        values = [
+            (key, float(logs[key]))
+            for key in ("loss", "accuracy")
+            if key in logs
+        ]
+        step = self._epoch * self.steps_per_epoch + batch + 1
+        self._progbar.update(step, values=values)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs = logs or {}
-        done = (epoch + 1) / self.epochs
         line = (
-            f"{self._bar(done)} epoch {epoch + 1:>{len(str(self.epochs))}}/"
+            f"epoch {epoch + 1:>{len(str(self.epochs))}}/"
             f"{self.epochs}  loss {logs.get('loss', math.nan):.4f}  "
             f"accuracy {logs.get('accuracy', math.nan):.4f}  "
             f"val_accuracy {logs.get('val_accuracy', math.nan):.4f}  "
             f"lr {logs.get('learning_rate', math.nan):.2e}  "
             f"{time.perf_counter() - self._epoch_start:.1f}s"
         )
-        self.stream.write(("\r" if self.live else "") + line + "\n")
+        self.stream.write(("\n" if self.live else "") + line + "\n")
         self.stream.flush()
 
 

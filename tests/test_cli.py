@@ -7,12 +7,15 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from keras_mgpu import cli
+from keras_mgpu.cli import _common as cli_common
+from keras_mgpu.cli import info as cli_info
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -203,13 +206,30 @@ def test_info(capsys):
         assert text in out, out
 
 
+def test_a_gpu_tensorflow_cannot_see_is_named_with_the_fix():
+    note = cli_common.gpu_mismatch_note(nvml_gpus=2, tensorflow_gpus=0)
+    assert "NVML sees 2 GPU(s) but TensorFlow sees none" in note
+    assert 'pip install "tensorflow[and-cuda]"' in note
+    assert cli_common.gpu_mismatch_note(2, 2) is None
+    assert cli_common.gpu_mismatch_note(0, 0) is None
+
+
+def test_the_command_is_a_package_of_one_module_per_command():
+    import keras_mgpu.cli as package
+
+    assert package.__file__.endswith("__init__.py")
+    for command in ("demo", "info", "report"):
+        module = __import__(f"keras_mgpu.cli.{command}", fromlist=["run"])
+        assert callable(module.run) and callable(module.add_parser)
+
+
 def test_strategy_lines_follow_flavour_and_gpus():
-    keras3 = "\n".join(cli._strategy_lines(False, 0, 2))
+    keras3 = "\n".join(cli_info.strategy_lines(False, 0, 2))
     assert "across logical CPU devices" in keras3
     assert "keras#20585" in keras3
     assert "keras_mgpu.distribute.enable_multi_worker_fit()" in keras3
     assert "tested with this Keras" in keras3
-    legacy = "\n".join(cli._strategy_lines(True, 4, 1))
+    legacy = "\n".join(cli_info.strategy_lines(True, 4, 1))
     assert "model.fit across the 4 GPUs" in legacy
     assert "MultiWorkerMirroredStrategy  model.fit works (tf_keras)" in legacy
 
@@ -310,7 +330,8 @@ def test_demo_trains_across_two_logical_cpus(demo_run):
 def test_demo_prints_progress_table_and_paths(demo_run):
     output, result, summary = demo_run
     out = result.stdout
-    assert out.count("] epoch ") == DEMO_TEST_EPOCHS
+    epoch_lines = re.findall(r"^epoch +\d+/\d+  loss ", out, re.M)
+    assert len(epoch_lines) == DEMO_TEST_EPOCHS, out
     for row in (
         "devices               2 x logical CPU device under MirroredStrategy",
         "global batch          128 = 32 per replica x 2 replicas x 2",
