@@ -37,8 +37,9 @@ if not tf.config.list_physical_devices("GPU"):
         [tf.config.LogicalDeviceConfiguration()] * args.cpu_devices,
     )
 
+import keras  # noqa: E402  (Keras 3)
+
 import keras_mgpu  # noqa: E402
-from keras_mgpu._flavour import keras  # noqa: E402  (Keras 3 here)
 from keras_mgpu.layers import RecomputeGrad  # noqa: E402
 from keras_mgpu.schedules import Warmup, scaled_learning_rate  # noqa: E402
 

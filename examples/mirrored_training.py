@@ -45,8 +45,9 @@ else:
         [tf.config.LogicalDeviceConfiguration()] * args.cpu_devices,
     )
 
+import keras  # noqa: E402  (Keras 3)
+
 import keras_mgpu  # noqa: E402
-from keras_mgpu._flavour import keras  # noqa: E402  (Keras 3 here)
 from keras_mgpu.callbacks import (  # noqa: E402
     GPULoadMonitor,
     LearningRateScaler,

@@ -38,17 +38,15 @@ if not tf.config.list_physical_devices("GPU"):
     )
 
 import tensorflow_model_optimization as tfmot  # noqa: E402
+import tf_keras as keras  # noqa: E402  (TFMOT needs tf_keras models)
 
-from keras_mgpu._flavour import FLAVOUR, keras  # noqa: E402
 from keras_mgpu.callbacks import (  # noqa: E402
     GPULoadMonitor,
     LearningRateWarmup,
     MemoryMonitor,
+    PruningStepSync,
 )
-from keras_mgpu.callbacks.pruning_step_sync import PruningStepSync  # noqa: E402
 from keras_mgpu.optimizers import GradientAccumulationOptimizer  # noqa: E402
-
-assert FLAVOUR == "tf_keras", FLAVOUR  # keras is tf_keras here
 
 PER_REPLICA_BATCH = 32
 ACCUMULATION_STEPS = 2

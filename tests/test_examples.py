@@ -62,6 +62,14 @@ def test_every_example_is_tested():
     ]
 
 
+def test_examples_use_only_public_names():
+    private = re.compile(r"keras_mgpu(\.\w+)*\._\w+")
+    for name in os.listdir(EXAMPLES):
+        if name.endswith(".py"):
+            text = open(os.path.join(EXAMPLES, name)).read()
+            assert not private.search(text), (name, private.search(text)[0])
+
+
 def test_mirrored_training(tmp_path):
     out = _run_example("mirrored_training.py", tmp_path, timeout=180)
     assert "2 replicas" in out
