@@ -1,0 +1,30 @@
+"""Entry point of the processes `keras_mgpu.testing.run_workers` starts."""
+
+import importlib
+import json
+import os
+import pickle
+import sys
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    if spec["cpu_devices"] > 1:
+        from keras_mgpu.testing.devices import configure_cpu_devices
+
+        configure_cpu_devices(spec["cpu_devices"])
+    module_name, qualname = spec["target"].split(":")
+    function = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        function = getattr(function, part)
+    with open(os.path.join(spec["workdir"], "args.pkl"), "rb") as f:
+        args = pickle.load(f)
+    result = function(*args)
+    path = os.path.join(spec["workdir"], f"result_{spec['index']}.pkl")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main()
