@@ -159,3 +159,27 @@ def test_tfmot_pruning(tmp_path):
         pytest.approx(0.8, abs=0.01)
     )
     assert _number(r"accuracy \(pruned model\): ([\d.]+)", out) > 0.3
+
+
+def test_the_testing_example_project_passes_with_the_plugin():
+    """examples/testing: a user's tests run by pytest with keras_mgpu's
+    plugin activated from its pytest.ini (every strategy of the matrix and
+    a 2-worker cluster)."""
+    project = os.path.join(EXAMPLES, "testing")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"],
+        cwd=project,
+        env={
+            **os.environ,
+            "PYTHONPATH": REPO_ROOT,
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "TF_USE_LEGACY_KERAS": "0",
+            "CUDA_VISIBLE_DEVICES": "-1",
+        },
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "6 passed" in result.stdout
+    assert "keras_mgpu.testing: 4 logical CPU devices" in result.stdout
