@@ -1,9 +1,9 @@
-"""Shared test harness: logical devices, the strategy matrix, seeds.
+"""Shared test harness: the flavour, seeds, and keras_mgpu.testing.
 
-The 4 logical CPU devices must be configured before TensorFlow initialises
-its runtime, so this happens at import of this file, before any test module
-(and before anything builds a strategy). Strategies are built inside
-fixtures, never at collection time.
+The 4 logical CPU devices and the strategy matrix come from our own pytest
+plugin, `keras_mgpu.testing` (activated by `keras_mgpu_cpu_devices` in
+pyproject.toml), which configures the devices before this file runs.
+Strategies are built inside fixtures, never at collection time.
 
 Mirrored strategies here use `ReductionToOneDevice`: on CPU the default
 `CollectiveAllReduce` pins its collective group size at first use, so a
@@ -24,12 +24,14 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+# The 4 logical CPU devices come from keras_mgpu.testing, activated by
+# `keras_mgpu_cpu_devices = 4` in pyproject.toml (before this file runs).
 NUM_LOGICAL_CPUS = 4
-
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS
-)
+if len(tf.config.list_logical_devices("CPU")) != NUM_LOGICAL_CPUS:
+    raise RuntimeError(
+        "tests/ need keras_mgpu.testing's 4 logical CPU devices: install "
+        "keras_mgpu (pip install -e .) so its pytest plugin is registered."
+    )
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -48,50 +50,17 @@ if IS_TF_KERAS:
         "callbacks/*",
         "layers/*",
         "monitoring/*",
+        "testing/*",
         "test_*.py",
     ]
 else:
     collect_ignore_glob = ["legacy/*"]
 
-STRATEGY_NAMES = (
-    "default",
-    "one_device",
-    "mirrored_2",
-    "mirrored_4",
-    "central_storage",
-)
+# The strategy matrix and its fixtures (`strategy`, `strategy_name`,
+# `mirrored_strategy`, `run_workers`) are keras_mgpu.testing's.
+from keras_mgpu.testing import STRATEGY_NAMES, make_strategy  # noqa: E402
 
-
-def make_strategy(name: str) -> tf.distribute.Strategy:
-    """Build one strategy of the matrix on the logical CPU devices."""
-    cpus = [f"/cpu:{i}" for i in range(NUM_LOGICAL_CPUS)]
-    if name == "default":
-        return tf.distribute.get_strategy()
-    if name == "one_device":
-        return tf.distribute.OneDeviceStrategy("/cpu:0")
-    if name.startswith("mirrored_"):
-        replicas = int(name.split("_")[1])
-        return tf.distribute.MirroredStrategy(
-            devices=cpus[:replicas],
-            cross_device_ops=tf.distribute.ReductionToOneDevice(),
-        )
-    if name == "central_storage":
-        return tf.distribute.experimental.CentralStorageStrategy(
-            compute_devices=cpus[:2], parameter_device="/cpu:0"
-        )
-    raise ValueError(f"Unknown strategy name {name!r}")
-
-
-@pytest.fixture(params=STRATEGY_NAMES)
-def strategy(request) -> tf.distribute.Strategy:
-    """Each strategy of the matrix; `request.param` names it."""
-    return make_strategy(request.param)
-
-
-@pytest.fixture
-def strategy_name(strategy, request) -> str:
-    """The name of the strategy the `strategy` fixture built."""
-    return request.node.callspec.params["strategy"]
+__all__ = ["STRATEGY_NAMES", "make_strategy"]
 
 
 _FLAVOUR_AT_START = os.environ.get("TF_USE_LEGACY_KERAS")

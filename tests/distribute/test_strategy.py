@@ -68,9 +68,46 @@ def test_worker_info_from_tf_config(monkeypatch):
     assert info == {
         "task_type": "worker",
         "task_id": 1,
+        "rank": 1,
         "num_workers": 2,
         "is_chief": False,
+        "task_name": "worker:1",
     }
+
+
+@pytest.mark.parametrize(
+    "task, rank, is_chief",
+    [
+        (("chief", 0), 0, True),
+        (("worker", 0), 1, False),  # not the chief, and not rank 0
+        (("worker", 1), 2, False),
+        (("evaluator", 0), None, False),  # not a collective member
+    ],
+)
+def test_a_task_is_its_type_and_index_not_its_index(task, rank, is_chief):
+    from keras_mgpu.distribute.strategy import task_identity
+
+    cluster = {
+        "chief": ["127.0.0.1:1"],
+        "worker": ["127.0.0.1:2", "127.0.0.1:3"],
+        "evaluator": ["127.0.0.1:4"],
+    }
+    info = task_identity(cluster, *task)
+    assert info["rank"] == rank
+    assert info["is_chief"] is is_chief
+    assert info["num_workers"] == 3  # chief + workers; no evaluator
+    assert info["task_name"] == f"{task[0]}:{task[1]}"
+
+
+def test_cluster_members_in_rank_order():
+    from keras_mgpu.distribute.strategy import cluster_members
+
+    cluster = {"worker": ["w0", "w1"], "chief": ["c"], "evaluator": ["e"]}
+    assert cluster_members(cluster) == [
+        ("chief", 0, "c"),
+        ("worker", 0, "w0"),
+        ("worker", 1, "w1"),
+    ]
 
 
 def test_worker_info_single_machine(monkeypatch):
