@@ -8,27 +8,22 @@ gradient across devices once per update, in the form chosen here:
 - `PowerSGD(rank=r, start_after_updates=n)`: rank-r factors of each weight
   matrix with error feedback and warm start (Vogels et al., 2019).
 
-`CrossDeviceByteCounter(strategy)` measures what each replica sends.
+`CrossDeviceByteCounter(strategy)` measures what each replica sends. A
+method of your own subclasses `GradientCompression`; its `state_specs` and
+`all_reduce` return `keras_mgpu.compression.base.StateSpec` and `Reduction`.
 """
 
-from keras_mgpu.compression.base import (
-    GradientCompression,
-    Reduction,
-    StateSpec,
-    get,
-    serialize,
-)
+from keras_mgpu.compression.base import GradientCompression
 from keras_mgpu.compression.byte_counter import CrossDeviceByteCounter
 from keras_mgpu.compression.float_cast import FloatCompression
 from keras_mgpu.compression.power_sgd import PowerSGD
+from keras_mgpu.compression.registry import get, serialize
 
 __all__ = [
     "CrossDeviceByteCounter",
     "FloatCompression",
     "GradientCompression",
     "PowerSGD",
-    "Reduction",
-    "StateSpec",
     "get",
     "serialize",
 ]

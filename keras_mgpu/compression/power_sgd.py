@@ -71,8 +71,12 @@ class PowerSGD(GradientCompression):
         rank: int >= 1 (default 1). The rank of the approximation; the
             paper uses 1 to 4 (2 recovers full-precision accuracy on
             ResNet-18 / CIFAR-10).
-        start_after_updates: int >= 0 (default 0). Updates sent
-            uncompressed before compression starts.
+        start_after_updates: int >= 0 (default 1000, PyTorch's
+            `start_powerSGD_iter`). Updates sent uncompressed before
+            compression starts. Measured on the demo (README, compression
+            guide): compressing from the first update cost 1.2 accuracy
+            points, starting after one epoch gained 0.65; set it to about
+            one epoch of updates, or 0 to compress from the start.
         min_compression_rate: number >= 1 (default 2, as PyTorch's
             PowerSGD hook). A matrix is compressed only if its factors are at
             least this many times smaller than it: `(n + m) · rank ·
@@ -100,7 +104,8 @@ class PowerSGD(GradientCompression):
     def __init__(
         self,
         rank: int = 1,
-        start_after_updates: int = 0,
+        *,
+        start_after_updates: int = 1000,
         min_compression_rate: float = 2.0,
         seed: int = 0,
     ) -> None:

@@ -24,7 +24,7 @@ def _method(name: str):
         "float32": None,
         "float16": "float16",
         "bfloat16": "bfloat16",
-        "power_sgd": PowerSGD(rank=2),
+        "power_sgd": PowerSGD(rank=2, start_after_updates=0),
     }[name]
 
 

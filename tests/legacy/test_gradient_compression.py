@@ -49,7 +49,7 @@ def runs():
     for name, method in (
         ("float32", None),
         ("float16", "float16"),
-        ("power_sgd", PowerSGD(rank=1)),
+        ("power_sgd", PowerSGD(rank=1, start_after_updates=0)),
     ):
         counter = CrossDeviceByteCounter(strategy)
         model = _compile(strategy, method)
@@ -101,7 +101,7 @@ def _residual_total(optimizer) -> float:
 
 def test_resume_mid_window_with_power_sgd(tmp_path):
     strategy = make_strategy("mirrored_2")
-    method = PowerSGD(rank=1)
+    method = PowerSGD(rank=1, start_after_updates=0)
     uninterrupted = _compile(strategy, method)
     _fit(uninterrupted, 0, 64)
     model = _compile(strategy, method)
@@ -132,7 +132,7 @@ def test_resume_mid_window_with_power_sgd(tmp_path):
         )
 
 
-@pytest.mark.parametrize("method", [None, "bfloat16", PowerSGD(rank=2)])
+@pytest.mark.parametrize("method", [None, "bfloat16", PowerSGD(rank=2, start_after_updates=0)])
 def test_config_round_trip(method):
     optimizer = GradientAccumulationOptimizer(
         keras.optimizers.SGD(0.1), 2, compression=method
