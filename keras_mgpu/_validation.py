@@ -8,7 +8,9 @@ argument, echoes the value and says what is allowed, in Keras's own style:
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Iterable
+from typing import Any
 
 
 def check_int(
@@ -102,3 +104,34 @@ def check_bool(value: object, argument: str, allow_none: bool = False):
         f"Argument `{argument}` must be {allowed}. Received: "
         f"{argument}={value!r} (of type {type(value).__name__})"
     )
+
+
+def renamed_argument(
+    owner: str, deprecated: dict, old: str, new: str, value: Any, default: Any
+) -> Any:
+    """The value of argument `new`, taking it from `deprecated[old]` (the
+    caller's `**deprecated` keywords) with a `FutureWarning` when the old
+    name was used: arguments renamed in 0.2 keep their old name for one
+    release. Both names given is a `TypeError`."""
+    if old not in deprecated:
+        return value
+    if value is not default and value != default:
+        raise TypeError(
+            f"{owner}() got both `{new}` and its deprecated name `{old}`"
+        )
+    warnings.warn(
+        f"{owner}: argument `{old}` is deprecated since keras_mgpu 0.2.0 "
+        f"and will be removed in 0.3.0; use `{new}` instead.",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return deprecated.pop(old)
+
+
+def reject_unknown(owner: str, deprecated: dict) -> None:
+    """Raise as Python does for keywords left after `renamed_argument`."""
+    if deprecated:
+        name = next(iter(deprecated))
+        raise TypeError(
+            f"{owner}() got an unexpected keyword argument {name!r}"
+        )

@@ -238,11 +238,13 @@ def _learning_rate(model, global_batch, base_batch, rule, plan) -> tuple:
     base = current_learning_rate(model.optimizer)
     if base_batch is None:
         return base, base, None
-    scaled = scaled_learning_rate(base, global_batch, base_batch, rule)
+    scaled = scaled_learning_rate(
+        base, global_batch, base_batch, scaling_rule=rule
+    )
     scaler = LearningRateScaler(
         base_batch_size=base_batch,
         per_replica_batch_size=plan.per_replica_batch_size,
-        rule=rule,
+        scaling_rule=rule,
         verbose=0,
     )
     return base, scaled, scaler

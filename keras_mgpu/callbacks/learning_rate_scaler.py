@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from keras_mgpu._flavour import callback_bases
-from keras_mgpu._validation import check_choice, check_int
+from keras_mgpu._validation import (
+    check_choice,
+    check_int,
+    reject_unknown,
+    renamed_argument,
+)
 from keras_mgpu.distribute import (
     accumulation_steps_of,
     global_batch_size,
@@ -49,8 +55,10 @@ class LearningRateScaler(*callback_bases()):
         base_batch_size: int >= 1, the batch the learning rate was tuned for.
         batch_size: int >= 1 or None, the global batch of one step.
         per_replica_batch_size: int >= 1 or None, the batch of one replica.
-        rule: "linear" (default) or "sqrt".
-        verbose: int, 1 (default) prints the scaling once; 0 only logs it.
+        scaling_rule: "linear" (default) or "sqrt" (`rule` before 0.2:
+            still accepted, with a `FutureWarning`, until 0.3).
+        verbose: int, 0 (default, as Keras's callbacks) only logs the
+            scaling (logger `keras_mgpu`); 1 also prints it once.
 
     Example:
 
@@ -70,10 +78,21 @@ class LearningRateScaler(*callback_bases()):
         base_batch_size: int,
         batch_size: int | None = None,
         per_replica_batch_size: int | None = None,
-        rule: str = "linear",
-        verbose: int = 1,
+        *,
+        scaling_rule: str = "linear",
+        verbose: int = 0,
+        **deprecated: Any,
     ) -> None:
         super().__init__()
+        scaling_rule = renamed_argument(
+            "LearningRateScaler",
+            deprecated,
+            "rule",
+            "scaling_rule",
+            scaling_rule,
+            "linear",
+        )
+        reject_unknown("LearningRateScaler", deprecated)
         self.base_batch_size = check_int(
             base_batch_size, "base_batch_size", minimum=1
         )
@@ -92,7 +111,9 @@ class LearningRateScaler(*callback_bases()):
                 f"`per_replica_batch_size`. Received: batch_size={batch_size}"
                 f", per_replica_batch_size={per_replica_batch_size}"
             )
-        self.rule = check_choice(rule, "rule", SCALING_RULES)
+        self.scaling_rule = check_choice(
+            scaling_rule, "scaling_rule", SCALING_RULES
+        )
         self.verbose = check_int(verbose, "verbose", minimum=0)
         self.factor: float | None = None
         self.global_batch_size: int | None = None
@@ -118,7 +139,9 @@ class LearningRateScaler(*callback_bases()):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         examples = self._examples_per_update()
-        factor = scaling_factor(examples, self.base_batch_size, self.rule)
+        factor = scaling_factor(
+            examples, self.base_batch_size, scaling_rule=self.scaling_rule
+        )
         self.global_batch_size, self.factor = examples, factor
         owner = _optimizer_lr.lr_owner(self.model.optimizer)
         top = _optimizer_lr.get_lr_object(owner)
@@ -145,7 +168,7 @@ class LearningRateScaler(*callback_bases()):
         self._report(examples, factor)
 
     def _report(self, examples: int, factor: float) -> None:
-        report = (examples, factor, self.rule, self.base_batch_size)
+        report = (examples, factor, self.scaling_rule, self.base_batch_size)
         if report == self._reported:
             return
         self._reported = report
@@ -155,7 +178,7 @@ class LearningRateScaler(*callback_bases()):
             f"({num_replicas_in_sync(strategy)} replicas, "
             f"{accumulation_steps_of(self.model.optimizer)} accumulation "
             f"steps) vs. base batch {self.base_batch_size}: learning rate x "
-            f"{factor:g} ({self.rule} rule), now "
+            f"{factor:g} ({self.scaling_rule} rule), now "
             f"{_optimizer_lr.current_learning_rate(self.model.optimizer):g}."
         )
         logger.info(message)

@@ -8,14 +8,25 @@ sync, every worker included, x accumulation steps).
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from keras_mgpu._validation import check_choice, check_int, check_number
+from keras_mgpu._validation import (
+    check_choice,
+    check_int,
+    check_number,
+    reject_unknown,
+    renamed_argument,
+)
 
 SCALING_RULES = ("linear", "sqrt")
 
 
 def scaling_factor(
-    global_batch_size: int, base_batch_size: int, rule: str = "linear"
+    global_batch_size: int,
+    base_batch_size: int,
+    *,
+    scaling_rule: str = "linear",
+    **deprecated: Any,
 ) -> float:
     """Factor by which the learning rate grows with the batch.
 
@@ -23,18 +34,29 @@ def scaling_factor(
     al. 2017), its square root for the "sqrt" rule (Krizhevsky 2014; often
     preferred for Adam-like optimizers).
     """
+    scaling_rule = renamed_argument(
+        "scaling_factor",
+        deprecated,
+        "rule",
+        "scaling_rule",
+        scaling_rule,
+        "linear",
+    )
+    reject_unknown("scaling_factor", deprecated)
     check_int(global_batch_size, "global_batch_size", minimum=1)
     check_int(base_batch_size, "base_batch_size", minimum=1)
-    check_choice(rule, "rule", SCALING_RULES)
+    check_choice(scaling_rule, "scaling_rule", SCALING_RULES)
     ratio = global_batch_size / base_batch_size
-    return ratio if rule == "linear" else math.sqrt(ratio)
+    return ratio if scaling_rule == "linear" else math.sqrt(ratio)
 
 
 def scaled_learning_rate(
     base_learning_rate: float,
     global_batch_size: int,
     base_batch_size: int,
-    rule: str = "linear",
+    *,
+    scaling_rule: str = "linear",
+    **deprecated: Any,
 ) -> float:
     """The learning rate for `global_batch_size`, given the one tuned for
     `base_batch_size`.
@@ -46,7 +68,9 @@ def scaled_learning_rate(
             `keras_mgpu.global_batch_size`).
         base_batch_size: int >= 1, the batch `base_learning_rate` was tuned
             for.
-        rule: "linear" (default) or "sqrt".
+        scaling_rule: "linear" (default) or "sqrt". (Called `rule`
+            before 0.2; the old name works, with a `FutureWarning`, until
+            0.3.)
 
     Example:
 
@@ -64,6 +88,15 @@ def scaled_learning_rate(
         minimum=0.0,
         exclusive_minimum=True,
     )
+    scaling_rule = renamed_argument(
+        "scaled_learning_rate",
+        deprecated,
+        "rule",
+        "scaling_rule",
+        scaling_rule,
+        "linear",
+    )
+    reject_unknown("scaled_learning_rate", deprecated)
     return base_learning_rate * scaling_factor(
-        global_batch_size, base_batch_size, rule
+        global_batch_size, base_batch_size, scaling_rule=scaling_rule
     )

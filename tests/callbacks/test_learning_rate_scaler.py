@@ -33,7 +33,9 @@ def test_scales_from_strategy_and_accumulation(strategy, strategy_name):
             loss="mse",
         )
     scaler = LearningRateScaler(
-        base_batch_size=2, per_replica_batch_size=per_replica, rule=rule
+        base_batch_size=2,
+        per_replica_batch_size=per_replica,
+        scaling_rule=rule,
     )
     x, y = data(8, per_replica * replicas)
     history = model.fit(
@@ -115,10 +117,10 @@ def test_needs_batch_size():
             r"Received: base_batch_size=0",
         ),
         (
-            {"base_batch_size": 8, "rule": "log"},
+            {"base_batch_size": 8, "scaling_rule": "log"},
             ValueError,
-            r"Argument `rule` must be one of 'linear', 'sqrt'\. "
-            r"Received: rule='log'",
+            r"Argument `scaling_rule` must be one of 'linear', 'sqrt'\. "
+            r"Received: scaling_rule='log'",
         ),
         (
             {
@@ -153,3 +155,12 @@ def test_two_workers_custom_loop():
         assert result["logs_lr"] == pytest.approx(0.2)
         assert result["config_lr"] == pytest.approx(0.1)
     assert results[0]["recorded"] == results[1]["recorded"]
+
+
+def test_renamed_rule_and_keras_verbose_default():
+    from keras_mgpu.callbacks import LearningRateScaler
+
+    assert LearningRateScaler(base_batch_size=8).verbose == 0  # as Keras
+    with pytest.warns(FutureWarning, match="use `scaling_rule` instead"):
+        scaler = LearningRateScaler(base_batch_size=8, rule="sqrt")
+    assert scaler.scaling_rule == "sqrt"

@@ -238,7 +238,11 @@ MLP_PARAMETERS = 12 * 32 + 32 + 32 * 32 + 32 + 32 + 1
 def test_one_replica_is_a_no_op(strategy_name):
     strategy = make_strategy(strategy_name)
     _, _, plain = _mlp_run(strategy, None, count_bytes=False)
-    for method in ("float16", "bfloat16", PowerSGD(rank=1, start_after_updates=0)):
+    for method in (
+        "float16",
+        "bfloat16",
+        PowerSGD(rank=1, start_after_updates=0),
+    ):
         _, _, weights = _mlp_run(strategy, method, count_bytes=False)
         for a, b in zip(weights[-1], plain[-1]):
             np.testing.assert_array_equal(a, b)
@@ -305,7 +309,9 @@ def test_start_after_updates_sends_float32_first():
 # ----------------------------------------------------------------------
 # Mixed precision, sparse gradients
 # ----------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["float16", PowerSGD(rank=1, start_after_updates=0)])
+@pytest.mark.parametrize(
+    "method", ["float16", PowerSGD(rank=1, start_after_updates=0)]
+)
 def test_nonfinite_window_on_one_replica_is_skipped(method):
     """mixed_float16, an overflow on replica 1 only: the window is skipped
     on both replicas and the compression state stays finite."""
@@ -427,7 +433,9 @@ def test_resume_mid_training_with_power_sgd(tmp_path):
 
     with strategy.scope():
         loaded = keras.saving.load_model(path)
-    assert loaded.optimizer.compression == PowerSGD(rank=1, start_after_updates=0)
+    assert loaded.optimizer.compression == PowerSGD(
+        rank=1, start_after_updates=0
+    )
     assert _residual_total(loaded) == pytest.approx(_residual_total(model))
     _fit_epoch(loaded)
     resumed = _powersgd_model(strategy)
@@ -461,7 +469,13 @@ def test_resume_mid_training_with_power_sgd(tmp_path):
 # Configuration and bad input
 # ----------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "method", [None, "float16", "bfloat16", PowerSGD(rank=2, seed=3, start_after_updates=0)]
+    "method",
+    [
+        None,
+        "float16",
+        "bfloat16",
+        PowerSGD(rank=2, seed=3, start_after_updates=0),
+    ],
 )
 def test_config_round_trip(method):
     optimizer = GradientAccumulationOptimizer(
@@ -489,7 +503,9 @@ def test_unknown_method(compression, error, message):
         )
 
 
-@pytest.mark.parametrize("compression", ["bfloat16", PowerSGD(rank=1, start_after_updates=0)])
+@pytest.mark.parametrize(
+    "compression", ["bfloat16", PowerSGD(rank=1, start_after_updates=0)]
+)
 def test_strategy_that_does_not_all_reduce(compression):
     strategy = make_strategy("central_storage")
     with strategy.scope():

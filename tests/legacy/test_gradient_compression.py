@@ -132,7 +132,9 @@ def test_resume_mid_window_with_power_sgd(tmp_path):
         )
 
 
-@pytest.mark.parametrize("method", [None, "bfloat16", PowerSGD(rank=2, start_after_updates=0)])
+@pytest.mark.parametrize(
+    "method", [None, "bfloat16", PowerSGD(rank=2, start_after_updates=0)]
+)
 def test_config_round_trip(method):
     optimizer = GradientAccumulationOptimizer(
         keras.optimizers.SGD(0.1), 2, compression=method

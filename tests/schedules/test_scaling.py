@@ -15,10 +15,10 @@ from keras_mgpu.schedules import scaled_learning_rate, scaling_factor
     "rule, expected", [("linear", 0.1 * 4), ("sqrt", 0.1 * 2)]
 )
 def test_rules_closed_form(rule, expected):
-    assert scaled_learning_rate(0.1, 1024, 256, rule) == pytest.approx(
-        expected, rel=1e-12
-    )
-    assert scaling_factor(128, 256, rule) == pytest.approx(
+    assert scaled_learning_rate(
+        0.1, 1024, 256, scaling_rule=rule
+    ) == pytest.approx(expected, rel=1e-12)
+    assert scaling_factor(128, 256, scaling_rule=rule) == pytest.approx(
         0.5 if rule == "linear" else math.sqrt(0.5)
     )
 
@@ -38,10 +38,10 @@ def test_global_batch_from_strategy_and_accumulation(strategy):
     "kwargs, error, match",
     [
         (
-            {"rule": "cubic"},
+            {"scaling_rule": "cubic"},
             ValueError,
-            r"Argument `rule` must be one of 'linear', 'sqrt'\. "
-            r"Received: rule='cubic'",
+            r"Argument `scaling_rule` must be one of 'linear', 'sqrt'\. "
+            r"Received: scaling_rule='cubic'",
         ),
         (
             {"base_batch_size": 0},
@@ -67,8 +67,19 @@ def test_bad_input(kwargs, error, match):
         "base_learning_rate": 0.1,
         "global_batch_size": 64,
         "base_batch_size": 32,
-        "rule": "linear",
+        "scaling_rule": "linear",
         **kwargs,
     }
     with pytest.raises(error, match=match):
         scaled_learning_rate(**arguments)
+
+
+def test_the_old_name_rule_still_works_with_a_future_warning():
+    with pytest.warns(FutureWarning, match="`rule` is deprecated.*0.3.0"):
+        assert scaled_learning_rate(0.1, 1024, 256, rule="sqrt") == (
+            pytest.approx(0.2)
+        )
+    with pytest.raises(TypeError, match="both `scaling_rule` and .*`rule`"):
+        scaling_factor(4, 2, scaling_rule="sqrt", rule="linear")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'rul'"):
+        scaling_factor(4, 2, rul="sqrt")
