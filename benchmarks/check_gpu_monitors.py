@@ -30,7 +30,8 @@ def main() -> None:
 
     from keras_mgpu._flavour import keras, tf
     from keras_mgpu.callbacks import GPULoadMonitor, MemoryMonitor
-    from keras_mgpu.monitoring import NvmlBackend, live_sampler_threads
+    from keras_mgpu.monitoring import NvmlBackend
+    from keras_mgpu.monitoring.sampler import live_sampler_threads
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.samples, 256)).astype("float32")

@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.1)
     args = parser.parse_args()
     import keras_mgpu.monitoring  # noqa: F401
-    from keras_mgpu.monitoring import live_sampler_threads
+    from keras_mgpu.monitoring.sampler import live_sampler_threads
 
     result = {
         "check": "nvml",

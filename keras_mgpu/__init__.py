@@ -21,7 +21,6 @@ __version__ = "0.1.0"
 
 # Public name -> module that defines it.
 _EXPORTS = {
-    "FLAVOUR": "keras_mgpu._flavour",
     "GradientAccumulationOptimizer": "keras_mgpu.optimizers",
     "RecomputeGrad": "keras_mgpu.layers",
     "Warmup": "keras_mgpu.schedules",
@@ -64,7 +63,6 @@ if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
         placement,  # noqa: F401
         schedules,  # noqa: F401
     )
-    from keras_mgpu._flavour import FLAVOUR  # noqa: F401
     from keras_mgpu.batch_size import (
         configure_batch,  # noqa: F401
         find_batch_size,  # noqa: F401

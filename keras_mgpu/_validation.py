@@ -135,3 +135,26 @@ def reject_unknown(owner: str, deprecated: dict) -> None:
         raise TypeError(
             f"{owner}() got an unexpected keyword argument {name!r}"
         )
+
+
+def check_update_freq(value: object, argument: str = "update_freq") -> int:
+    """`"epoch"` or an int >= 1 (batches), as Keras's `TensorBoard`:
+    returns the batches between logs, 0 for per epoch only."""
+    if value == "epoch":
+        return 0
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"Argument `{argument}` must be 'epoch' or an integer >= 1. "
+            f"Received: {argument}={value!r}"
+        )
+    if value < 1:
+        raise ValueError(
+            f"Argument `{argument}` must be 'epoch' or an integer >= 1. "
+            f"Received: {argument}={value!r}"
+        )
+    return int(value)
+
+
+def update_freq_from_batches(batches: object) -> object:
+    """The `update_freq` the pre-0.2 `log_every_n_batches` meant."""
+    return "epoch" if batches == 0 else batches

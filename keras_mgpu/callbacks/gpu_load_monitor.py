@@ -5,7 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from keras_mgpu._flavour import callback_bases, tf
-from keras_mgpu._validation import check_bool, check_int, check_number
+from keras_mgpu._validation import (
+    check_bool,
+    check_number,
+    check_update_freq,
+    reject_unknown,
+    renamed_argument,
+    update_freq_from_batches,
+)
 from keras_mgpu.monitoring.aggregate import NAN, Stats, spread
 from keras_mgpu.monitoring.backend import BackendUnavailable
 from keras_mgpu.monitoring.gather import WorkerGathering
@@ -101,9 +108,11 @@ class GPULoadMonitor(*callback_bases()):
             counts as full. Defaults to 0.8.
         per_core: bool, log each CPU core in the psutil fallback. Defaults
             to True.
-        log_every_n_batches: int >= 0, also log the latest reading
-            (`gpu/gpu<i>_util_pct`, `gpu/gpu<i>_mem_used_mb`,
-            `cpu/util_pct`) every that many batches; 0 (default) is off.
+        update_freq: "epoch" (default) or int >= 1: also log the latest
+            reading (`gpu/gpu<i>_util_pct`, `gpu/gpu<i>_mem_used_mb`,
+            `cpu/util_pct`) every that many batches, as Keras's
+            `TensorBoard(update_freq=...)`. (`log_every_n_batches` before
+            0.2; still accepted, with a `FutureWarning`, until 0.3.)
         gather_workers: bool, in a cluster of several workers, also log every
             other worker's figures (one collective all-reduce of a small
             matrix per epoch), so the chief's History / CSV / TensorBoard
@@ -112,10 +121,6 @@ class GPULoadMonitor(*callback_bases()):
         worker_prefix: bool or None, force the `w<rank>_` prefix on or
             off; None (default) adds it when the cluster has several
             workers.
-        backend: an object with `open`/`sample`/`close`/`devices` (see
-            `keras_mgpu.monitoring.Backend`) replacing NVML (tests), or None.
-        host_backend: the psutil fallback backend, or None for
-            `HostBackend()`.
 
     Example:
 
@@ -129,17 +134,30 @@ class GPULoadMonitor(*callback_bases()):
 
     def __init__(
         self,
+        *,
         interval: float = 1.0,
         stall_utilization: float = 30.0,
         stall_memory_fraction: float = 0.8,
         per_core: bool = True,
-        log_every_n_batches: int = 0,
+        update_freq: str | int = "epoch",
         worker_prefix: bool | None = None,
         gather_workers: bool = False,
-        backend: Any = None,
-        host_backend: Any = None,
+        **deprecated: Any,
     ) -> None:
         super().__init__()
+        if "log_every_n_batches" in deprecated:
+            deprecated["log_every_n_batches"] = update_freq_from_batches(
+                deprecated["log_every_n_batches"]
+            )
+        update_freq = renamed_argument(
+            "GPULoadMonitor",
+            deprecated,
+            "log_every_n_batches",
+            "update_freq",
+            update_freq,
+            "epoch",
+        )
+        reject_unknown("GPULoadMonitor", deprecated)
         self.interval = check_number(
             interval, "interval", minimum=0.0, exclusive_minimum=True
         )
@@ -154,18 +172,18 @@ class GPULoadMonitor(*callback_bases()):
             maximum=1.0,
         )
         self.per_core = check_bool(per_core, "per_core")
-        self.log_every_n_batches = check_int(
-            log_every_n_batches, "log_every_n_batches", minimum=0
-        )
+        self.update_freq = update_freq
+        # Batches between batch-level logs; 0: per epoch only.
+        self.log_every_n_batches = check_update_freq(update_freq)
         self.worker_prefix = check_bool(
             worker_prefix, "worker_prefix", allow_none=True
         )
         self._gathering = WorkerGathering(gather_workers, "GPULoadMonitor")
         self.gather_workers = gather_workers
-        self._backend_arg = backend
-        self._host_backend = (
-            host_backend if host_backend is not None else HostBackend()
-        )
+        # NVML (None: opened at train begin) and the psutil fallback; tests
+        # replace these two attributes with stand-ins before `fit`.
+        self._backend_arg: Any = None
+        self._host_backend = HostBackend()
         self._notices = Notices()
         self._sampler: Sampler | None = None
         self._backend = None

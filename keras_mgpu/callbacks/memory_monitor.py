@@ -7,7 +7,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from keras_mgpu._flavour import callback_bases, tf
-from keras_mgpu._validation import check_bool, check_int, check_number
+from keras_mgpu._validation import (
+    check_bool,
+    check_number,
+    check_update_freq,
+    reject_unknown,
+    renamed_argument,
+    update_freq_from_batches,
+)
 from keras_mgpu.monitoring.gather import WorkerGathering
 from keras_mgpu.monitoring.host_backend import HostBackend
 from keras_mgpu.monitoring.log_keys import make_key
@@ -52,7 +59,7 @@ class MemoryMonitor(*callback_bases()):
 
     The keys are fixed at train begin and identical every epoch (see
     `keras_mgpu.monitoring.log_keys`). Readings are host calls made at
-    epoch boundaries (or every `log_every_n_batches` batches): no tensor
+    epoch boundaries (or every `update_freq` batches): no tensor
     is read, no host-device synchronisation is added.
 
     When a device's epoch peak crosses `warn_fraction` of its capacity, a
@@ -73,8 +80,10 @@ class MemoryMonitor(*callback_bases()):
             the detected one: one number for every accelerator, or a dict
             keyed by label (`{"gpu0": 16000}`). Defaults to None.
         host: bool, whether to log the psutil host figures. Defaults to True.
-        log_every_n_batches: int >= 0, also log `..._current_mb` every that
-            many batches (0, the default, logs per epoch only).
+        update_freq: "epoch" (default) or int >= 1: also log
+            `..._current_mb` every that many batches, as Keras's
+            `TensorBoard(update_freq=...)`. (`log_every_n_batches` before
+            0.2; still accepted, with a `FutureWarning`, until 0.3.)
         gather_workers: bool, in a cluster of several workers, also log every
             other worker's figures (one collective all-reduce of a small
             matrix per epoch), so the chief's History / CSV / TensorBoard
@@ -83,8 +92,6 @@ class MemoryMonitor(*callback_bases()):
         worker_prefix: bool or None, force the `w<rank>_` prefix on or
             off; None (default) adds it when the cluster has several
             workers.
-        reader: a `TFMemoryReader` or stand-in; TensorFlow's when None.
-        host_backend: a `HostBackend` or stand-in; psutil's when None.
 
     Example:
 
@@ -99,16 +106,29 @@ class MemoryMonitor(*callback_bases()):
 
     def __init__(
         self,
+        *,
         warn_fraction: float | None = 0.9,
         capacity_mb: float | Mapping[str, float] | None = None,
         host: bool = True,
-        log_every_n_batches: int = 0,
+        update_freq: str | int = "epoch",
         worker_prefix: bool | None = None,
         gather_workers: bool = False,
-        reader: Any = None,
-        host_backend: Any = None,
+        **deprecated: Any,
     ) -> None:
         super().__init__()
+        if "log_every_n_batches" in deprecated:
+            deprecated["log_every_n_batches"] = update_freq_from_batches(
+                deprecated["log_every_n_batches"]
+            )
+        update_freq = renamed_argument(
+            "MemoryMonitor",
+            deprecated,
+            "log_every_n_batches",
+            "update_freq",
+            update_freq,
+            "epoch",
+        )
+        reject_unknown("MemoryMonitor", deprecated)
         self.warn_fraction = check_number(
             warn_fraction,
             "warn_fraction",
@@ -133,18 +153,18 @@ class MemoryMonitor(*callback_bases()):
                 allow_none=True,
             )
         self.host = check_bool(host, "host")
-        self.log_every_n_batches = check_int(
-            log_every_n_batches, "log_every_n_batches", minimum=0
-        )
+        self.update_freq = update_freq
+        # Batches between batch-level logs; 0: per epoch only.
+        self.log_every_n_batches = check_update_freq(update_freq)
         self.worker_prefix = check_bool(
             worker_prefix, "worker_prefix", allow_none=True
         )
         self._gathering = WorkerGathering(gather_workers, "MemoryMonitor")
         self.gather_workers = gather_workers
-        self._reader = reader if reader is not None else TFMemoryReader()
-        self._host_backend = (
-            host_backend if host_backend is not None else HostBackend()
-        )
+        # TensorFlow's allocator and psutil; tests replace these two
+        # attributes with stand-ins before `fit`.
+        self._reader = TFMemoryReader()
+        self._host_backend = HostBackend()
         self._notices = Notices()
         self._devices: list[str] = []  # accelerator devices, "GPU:0"
         self._capacity: dict[str, float | None] = {}

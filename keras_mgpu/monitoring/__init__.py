@@ -5,7 +5,6 @@ The framework-free parts of `keras_mgpu.callbacks.MemoryMonitor` and
 scheme.
 """
 
-from keras_mgpu.monitoring.aggregate import Aggregator, Stats
 from keras_mgpu.monitoring.backend import (
     Backend,
     BackendUnavailable,
@@ -16,20 +15,17 @@ from keras_mgpu.monitoring.nvml_backend import (
     NvmlBackend,
     visible_gpu_selectors,
 )
-from keras_mgpu.monitoring.sampler import Sampler, live_sampler_threads
+from keras_mgpu.monitoring.sampler import Sampler
 from keras_mgpu.monitoring.tf_memory import TFMemoryReader, strategy_devices
 
 __all__ = [
-    "Aggregator",
     "Backend",
     "BackendUnavailable",
     "HostBackend",
     "MonitorWarning",
     "NvmlBackend",
     "Sampler",
-    "Stats",
     "TFMemoryReader",
-    "live_sampler_threads",
     "strategy_devices",
     "visible_gpu_selectors",
 ]

@@ -72,6 +72,15 @@ def two_fake_gpus():
     )
 
 
+def with_backend(monitor, backend, host_backend=None):
+    """Give the monitor stand-in backends (private attributes: test seams
+    are not part of the public signature)."""
+    monitor._backend_arg = backend
+    if host_backend is not None:
+        monitor._host_backend = host_backend
+    return monitor
+
+
 def wait_for_no_sampler(timeout=2.0):
     deadline = time.monotonic() + timeout
     while live_sampler_threads() and time.monotonic() < deadline:
@@ -84,8 +93,8 @@ def test_every_figure_reaches_history_csv_tensorboard_and_progbar(
 ):
     x, y = regression_data(64)
     nvml = two_fake_gpus()
-    monitor = GPULoadMonitor(
-        interval=0.002, backend=NvmlBackend(nvml=nvml, environ={})
+    monitor = with_backend(
+        GPULoadMonitor(interval=0.002), NvmlBackend(nvml=nvml, environ={})
     )
     csv_path = tmp_path / "log.csv"
     callbacks = [monitor, keras.callbacks.CSVLogger(str(csv_path))]
@@ -148,10 +157,10 @@ def tensorboard_tags(tmp_path):
 def test_without_nvml_logs_cpu_per_core_and_warns_once():
     x, y = regression_data(32)
     nvml = FakeNvml(fail_init=True)
-    monitor = GPULoadMonitor(
-        interval=0.002,
-        backend=NvmlBackend(nvml=nvml, environ={}),
-        host_backend=HostBackend(psutil_module=FakePsutil((10.0, 90.0))),
+    monitor = with_backend(
+        GPULoadMonitor(interval=0.002),
+        NvmlBackend(nvml=nvml, environ={}),
+        HostBackend(psutil_module=FakePsutil((10.0, 90.0))),
     )
     with pytest.warns(MonitorWarning, match="psutil instead") as record:
         history = compiled_model().fit(
@@ -179,8 +188,8 @@ def test_no_leak_over_20_fits_with_exceptions_and_interrupts():
     x, y = regression_data(32)
     model = compiled_model()
     nvml = two_fake_gpus()
-    monitor = GPULoadMonitor(
-        interval=0.002, backend=NvmlBackend(nvml=nvml, environ={})
+    monitor = with_backend(
+        GPULoadMonitor(interval=0.002), NvmlBackend(nvml=nvml, environ={})
     )
 
     class Fail(keras.callbacks.Callback):
@@ -209,13 +218,14 @@ def test_no_leak_over_20_fits_with_exceptions_and_interrupts():
 
 def test_batch_logging_is_opt_in():
     x, y = regression_data(64)
-    off = GPULoadMonitor(backend=NvmlBackend(nvml=two_fake_gpus(), environ={}))
+    off = with_backend(
+        GPULoadMonitor(), NvmlBackend(nvml=two_fake_gpus(), environ={})
+    )
     # Without batch logging no batch hook: Keras keeps async dispatch.
     assert "on_train_batch_end" not in vars(off)
-    monitor = GPULoadMonitor(
-        interval=0.002,
-        log_every_n_batches=2,
-        backend=NvmlBackend(nvml=two_fake_gpus(), environ={}),
+    monitor = with_backend(
+        GPULoadMonitor(interval=0.002, update_freq=2),
+        NvmlBackend(nvml=two_fake_gpus(), environ={}),
     )
     seen = []
 
@@ -245,8 +255,14 @@ def test_argument_errors():
         GPULoadMonitor(stall_memory_fraction=0)
     with pytest.raises(TypeError, match="`per_core` must be a bool"):
         GPULoadMonitor(per_core="yes")
-    with pytest.raises(ValueError, match="`log_every_n_batches` must be"):
-        GPULoadMonitor(log_every_n_batches=-1)
+    with pytest.raises(ValueError, match="`update_freq` must be 'epoch' or"):
+        GPULoadMonitor(update_freq=-1)
+    with pytest.warns(FutureWarning, match="use `update_freq` instead"):
+        assert GPULoadMonitor(log_every_n_batches=0).update_freq == "epoch"
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        GPULoadMonitor(backend=object())  # test seams left the signature
+    with pytest.raises(TypeError):
+        GPULoadMonitor(0.5)  # options are keyword-only
     with pytest.raises(TypeError, match="`worker_prefix` must be a bool"):
         GPULoadMonitor(worker_prefix="w0")
 

@@ -55,12 +55,21 @@ def fake_gpu_strategy(monkeypatch):
     monkeypatch.setattr(notices, "_PROCESS_NOTES", set())
 
 
+def with_sources(monitor, **sources):
+    """Replace the monitor's readers with stand-ins (private attributes:
+    test seams are not part of the public signature)."""
+    for name, value in sources.items():
+        setattr(monitor, f"_{name}", value)
+    return monitor
+
+
 def test_per_device_peaks_capacity_warning_and_csv(fake_gpu_strategy, tmp_path):
     fake = FakeTFMemory(
         {"GPU:0": (1000, 15000), "GPU:1": (500, 2000), "CPU:0": (40, 60)},
         capacity={"GPU:0": 16000.0},
     )
-    monitor = MemoryMonitor(
+    monitor = with_sources(
+        MemoryMonitor(),
         reader=fake.reader(),
         host_backend=HostBackend(psutil_module=FakePsutil(rss_mb=700)),
     )
@@ -120,9 +129,8 @@ def test_per_device_peaks_capacity_warning_and_csv(fake_gpu_strategy, tmp_path):
 
 def test_cpu_without_allocator_stats_and_capacity_override(fake_gpu_strategy):
     fake = FakeTFMemory({"GPU:0": (100, 950), "GPU:1": (100, 200)})
-    monitor = MemoryMonitor(
-        capacity_mb={"gpu0": 1000},
-        host=False,
+    monitor = with_sources(
+        MemoryMonitor(capacity_mb={"gpu0": 1000}, host=False),
         reader=fake.reader(),
     )
     x, y = regression_data(16)
@@ -152,8 +160,8 @@ def test_cpu_without_allocator_stats_and_capacity_override(fake_gpu_strategy):
 def test_batch_logging_is_opt_in(fake_gpu_strategy):
     assert "on_train_batch_end" not in vars(MemoryMonitor())
     fake = FakeTFMemory({"GPU:0": (123, 200), "GPU:1": (5, 6)})
-    monitor = MemoryMonitor(
-        log_every_n_batches=1, host=False, reader=fake.reader()
+    monitor = with_sources(
+        MemoryMonitor(update_freq=1, host=False), reader=fake.reader()
     )
     seen = []
 
@@ -178,8 +186,14 @@ def test_argument_errors():
         MemoryMonitor(capacity_mb={"gpu0": -1})
     with pytest.raises(TypeError, match="Argument `host` must be a bool"):
         MemoryMonitor(host=1)
-    with pytest.raises(ValueError, match="`log_every_n_batches` must be"):
-        MemoryMonitor(log_every_n_batches=-2)
+    with pytest.raises(ValueError, match="`update_freq` must be 'epoch' or"):
+        MemoryMonitor(update_freq=0)
+    with pytest.raises(TypeError, match="Received: update_freq='batch'"):
+        MemoryMonitor(update_freq="batch")
+    with pytest.warns(FutureWarning, match="`log_every_n_batches` is dep"):
+        assert MemoryMonitor(log_every_n_batches=3).update_freq == 3
+    with pytest.raises(TypeError, match="unexpected keyword argument 'reader'"):
+        MemoryMonitor(reader=object())  # test seams left the signature
     with pytest.raises(TypeError, match="`worker_prefix` must be a bool"):
         MemoryMonitor(worker_prefix=1)
 

@@ -10,14 +10,10 @@ import time
 import pytest
 from monitoring._monitor_fakes import FakePsutil
 
-from keras_mgpu.monitoring import (
-    Aggregator,
-    HostBackend,
-    Sampler,
-    live_sampler_threads,
-)
-from keras_mgpu.monitoring.aggregate import spread
+from keras_mgpu.monitoring import HostBackend, Sampler
+from keras_mgpu.monitoring.aggregate import Aggregator, spread
 from keras_mgpu.monitoring.log_keys import make_key, worker_prefix
+from keras_mgpu.monitoring.sampler import live_sampler_threads
 
 NAN = float("nan")
 
