@@ -479,52 +479,76 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             )
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
-        failures = []
-        for candidate in self._candidates(metadata):
-            error = self._load(candidate)
-            # Every worker hashes what it holds now, loaded or not, so that
-            # the all-reduce below is reached by all of them.
-            loaded = _sha256_words(_weights_bytes(model))
-            rows = gather_rows(
-                strategy,
-                [float(error is None), *loaded],
-            )
-            failed = [r for r in range(len(rows)) if rows[r, 0] == 0]
+        # 1. Which backups can each worker read? Decided from every
+        # worker's answer, before any worker loads (loading may itself run
+        # collectives: all workers must load the same file, or none).
+        candidates = self._candidates(metadata)
+        errors = [self._readable(candidate) for candidate in candidates]
+        rows = gather_rows(
+            strategy, [float(error is None) for error in errors] + [1.0] * 2
+        )
+        chosen, failures = None, []
+        for index, candidate in enumerate(candidates):
+            failed = [r for r in range(len(rows)) if rows[r, index] == 0]
             if not failed:
-                if len({tuple(r[1:]) for r in rows}) > 1:
-                    described = ", ".join(
-                        f"worker {r}: {_hex(rows[r, 1:])}"
-                        for r in range(len(rows))
-                    )
-                    raise ValueError(
-                        "The workers loaded different weights from "
-                        f"{candidate['weights']!r} in backup_dir="
-                        f"{self.backup_dir!r} (digests of the loaded "
-                        f"weights: {described}): the file changed while "
-                        "they read it, or the model differs between "
-                        "workers. No worker starts training."
-                    )
-                self._resume_at(candidate)
-                return
+                chosen = candidate
+                break
             failures.append(
                 f"{candidate['weights']!r} (epoch {candidate['epoch']}): "
-                f"{_workers(failed)} could not load it"
-                + (f" (here: {error})" if error else "")
+                f"{_workers(failed)} cannot read it"
+                + (f" (here: {errors[index]})" if errors[index] else "")
             )
-        raise ValueError(
-            f"No backup in backup_dir={self.backup_dir!r} can be loaded by "
-            "every worker: "
-            + "; ".join(failures)
-            + ". No worker starts training: fix the storage, or delete "
-            "backup_dir to start from scratch"
-            + (
-                ""
-                if self.double_checkpoint
-                else " (double_checkpoint=True keeps a previous backup to "
-                "fall back to)"
+        if chosen is None:
+            raise ValueError(
+                f"No backup in backup_dir={self.backup_dir!r} can be read by "
+                "every worker: "
+                + "; ".join(failures)
+                + ". No worker starts training: fix the storage, or delete "
+                "backup_dir to start from scratch"
+                + (
+                    ""
+                    if self.double_checkpoint
+                    else " (double_checkpoint=True keeps a previous backup "
+                    "to fall back to)"
+                )
+                + "."
             )
-            + "."
+        # 2. Load it, then check what every worker loaded: the load status
+        # and a digest of the weights it holds now (computed whether the
+        # load worked or not, so every worker reaches the all-reduce).
+        error = self._load(chosen)
+        rows = gather_rows(
+            strategy,
+            [float(error is None), *_sha256_words(_weights_bytes(model))],
         )
+        failed = [r for r in range(len(rows)) if rows[r, 0] == 0]
+        if failed:
+            raise ValueError(
+                f"{_workers(failed)} could not load {chosen['weights']!r} "
+                f"from backup_dir={self.backup_dir!r}"
+                + (f" ({error})" if error else "")
+                + ". No worker starts training."
+            )
+        if len({tuple(r[1:]) for r in rows}) > 1:
+            described = ", ".join(
+                f"worker {r}: {_hex(rows[r, 1:])}" for r in range(len(rows))
+            )
+            raise ValueError(
+                "The workers loaded different weights from "
+                f"{chosen['weights']!r} in backup_dir={self.backup_dir!r} "
+                f"(digests of the loaded weights: {described}): the file "
+                "changed while they read it, or the model differs between "
+                "workers. No worker starts training."
+            )
+        self._resume_at(chosen)
+
+    def _readable(self, candidate: dict) -> str | None:
+        """Why this worker cannot read a backup, or None."""
+        path = os.path.join(self.backup_dir, candidate["weights"])
+        try:
+            return _check_readable(path, candidate.get("sha256"))
+        except Exception as exc:  # reported to every worker, then raised
+            return f"{type(exc).__name__}: {exc}"
 
     def _check_cluster_shape(self, metadata: dict) -> None:
         """A resume is exact only on the cluster shape that wrote it."""
@@ -547,19 +571,10 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
 
     def _load(self, candidate: dict) -> str | None:
         """Load one backup; the reason it failed, or None."""
-        import tensorflow as tf
-
-        path = os.path.join(self.backup_dir, candidate["weights"])
         try:
-            if not tf.io.gfile.exists(path):
-                return f"{path!r} does not exist"
-            expected = candidate.get("sha256")
-            if expected and _file_sha256(path) != expected:
-                return (
-                    f"{path!r} differs from the file that was committed "
-                    "(its SHA-256 does not match)"
-                )
-            self.model.load_weights(path)
+            self.model.load_weights(
+                os.path.join(self.backup_dir, candidate["weights"])
+            )
         except Exception as exc:  # reported to every worker, then raised
             return f"{type(exc).__name__}: {exc}"
         return None
@@ -662,6 +677,35 @@ def _fsync(path: str) -> None:
         pass  # some file systems cannot fsync a folder
     finally:
         os.close(descriptor)
+
+
+def _check_readable(path: str, sha256: str | None) -> str | None:
+    """Why the backup file at `path` cannot be loaded, or None: it must
+    exist and hold the bytes that were committed (their SHA-256), or, for a
+    backup written by Keras (no digest), open as HDF5 with every dataset
+    readable."""
+    import tensorflow as tf
+
+    if not tf.io.gfile.exists(path):
+        return f"{path!r} does not exist"
+    if sha256:
+        if _file_sha256(path) != sha256:
+            return (
+                f"{path!r} differs from the file that was committed (its "
+                "SHA-256 does not match)"
+            )
+        return None
+    if "://" in path:
+        return None  # Keras's own file, remote: its load will tell
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        f.visititems(
+            lambda name, item: (
+                item[()] if isinstance(item, h5py.Dataset) else None
+            )
+        )
+    return None
 
 
 def _file_sha256(path: str) -> str:

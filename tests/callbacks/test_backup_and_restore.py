@@ -358,8 +358,8 @@ def test_no_loadable_backup_is_a_clear_error(tmp_path):
         f.truncate(100)
     with pytest.raises(
         ValueError,
-        match=r"No backup in backup_dir=.* can be loaded by every worker: "
-        r"'backup-.*' \(epoch 1\): worker 0 could not load it \(here: .*"
+        match=r"No backup in backup_dir=.* can be read by every worker: "
+        r"'backup-.*' \(epoch 1\): worker 0 cannot read it \(here: .*"
         r"SHA-256 does not match\)\)\. No worker starts training",
     ):
         _run(make_strategy("default"), backup)
