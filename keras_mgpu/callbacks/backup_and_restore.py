@@ -39,7 +39,7 @@ def _tf_keras_callback_base() -> tuple:
 
 class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
     """Keras's `BackupAndRestore`, with the same arguments, made safe for
-    multi-worker training and for a process killed while it writes.
+    multi-worker training and for a process killed anywhere.
 
     Keras 3's own callback lets every worker of a
     `MultiWorkerMirroredStrategy` cluster create and write the same
@@ -51,40 +51,58 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
       variables, e.g. `GradientAccumulationOptimizer`'s accumulators, is a
       collective every worker must join), but only the chief writes into
       `backup_dir`; the other workers write to a private temporary folder
-      that is deleted at once. A backup is committed atomically: the
-      weights go to a new file, then the metadata naming that file replaces
-      the old metadata (a rename), then the previous weights file is
-      removed. A process killed mid-save leaves the previous backup intact.
+      that is deleted at once. A backup is committed so that a SIGKILL at
+      any point leaves the previous one intact: the weights go to a file
+      no process or run ever wrote before (never over a committed file),
+      are flushed to disk (fsync) and hashed (SHA-256); then a metadata
+      file naming that file and its digest replaces the old metadata (a
+      rename, the commit point); then older weights files are removed.
+      `delete_checkpoint` removes the metadata before the files.
     - **Restoring.** At `on_train_begin` every worker reads the chief's
       backup from `backup_dir`, which therefore must be storage every
       worker reaches (a shared file system or a bucket, as for tf_keras).
-      The workers check, with one small all-reduce, that they all see the
-      same backup; a worker that sees another one (or none) makes every
-      worker raise a `ValueError` naming it, instead of training from
-      different weights.
-    - What is restored is everything `model.save_weights` holds: weights
-      and optimizer variables, so `GradientAccumulationOptimizer`'s
-      accumulators and counters (resume in the middle of a window), the
-      update counter that `Warmup` and the LR callbacks read, momentum and
-      EMA. Training resumes at the first epoch after the backup and ends
-      with the weights of an uninterrupted run when each epoch's data do
-      not depend on how many epochs ran before in the process
-      (`shuffle=False`, or a dataset shuffled with a seed per epoch).
-    - `save_freq=<int>` saves every that many batches and, as in Keras,
-      resumes at the start of the interrupted epoch with the weights of
-      the last backup (batches since the epoch began are trained again):
-      use `save_freq="epoch"` (the default) for an exact resume.
+      Three small all-reduces make the workers agree: they all see the
+      same metadata; each reports which backups (the latest and, with
+      `double_checkpoint`, the previous) it can read, with the committed
+      digest, and all load the newest that every worker can read; after
+      loading, each reports its status and a digest of the weights it
+      holds. A worker that cannot read or load, or loaded other weights,
+      makes every worker raise the same `ValueError` naming it: none is
+      left waiting in a collective, none trains from other weights.
+    - **Exact resume.** What is restored is everything `model.save_weights`
+      holds: weights and optimizer variables, so
+      `GradientAccumulationOptimizer`'s accumulators and counters (resume
+      in the middle of a window), the update counter that `Warmup` and the
+      LR callbacks read, momentum and EMA. With `save_freq="epoch"`,
+      training resumes at the epoch after the backup; with an integer it
+      resumes after the saved batch (unlike Keras, which trains the
+      interrupted epoch's first batches again): the batches the backup
+      already holds are read and dropped, not trained. Either ends with the
+      weights of an uninterrupted run when each epoch's data do not depend
+      on how many epochs ran before in the process (`shuffle=False`, or a
+      dataset shuffled with a seed per epoch); the resumed epoch's logged
+      loss covers only the batches trained after the restart.
+    - A backup records the number of workers and of replicas that wrote
+      it; a restart with other numbers is refused (per-replica optimizer
+      state and the split of each batch would differ), naming both.
 
     On one worker (no strategy, `MirroredStrategy`, ...) it behaves as
-    Keras's, plus the atomic commit. In a tf_keras `fit` it hands every
+    Keras's, plus the commit protocol and the exact resume. It reads a
+    backup written by Keras's callback. In a tf_keras `fit` it hands every
     hook to tf_keras's `BackupAndRestore` (multi-worker safe already).
 
     Args:
         backup_dir: str, folder of the backup (not shared with anything
             else). Under multi-worker training: reachable by every worker.
-        save_freq: "epoch" (default) or int >= 1, batches between saves.
+        save_freq: "epoch" (default), int >= 1 (batches between saves) or
+            False (or 0): no periodic save, as Keras documents it (Keras
+            3.15 in fact saves after every batch); the callback still
+            restores a backup found in `backup_dir`. Not allowed in a
+            tf_keras `fit` (tf_keras then requires preemption
+            checkpointing).
         double_checkpoint: bool, also keep the previous backup and fall
-            back to it when the latest cannot be read. Defaults to False.
+            back to it when a worker cannot read the latest (every worker
+            then loads the previous). Defaults to False.
         delete_checkpoint: bool, delete `backup_dir` when training ends
             (the chief does). Defaults to True.
 

@@ -172,6 +172,16 @@ def uninterrupted(task_index: int) -> dict:
     }
 
 
+def _failing_load(fault, load):
+    def failing(path, *args, **kwargs):
+        reason = fault(path, None)
+        if reason:
+            raise OSError(reason)
+        return load(path, *args, **kwargs)
+
+    return failing
+
+
 def restore_agreement(task_index: int, backup_dir: str) -> dict:
     """Worker 1 cannot load the latest backup, cannot load any, or loads
     other weights than the chief: what each worker does (item 5 of issue
@@ -226,14 +236,14 @@ def restore_agreement(task_index: int, backup_dir: str) -> dict:
 
     from keras_mgpu.callbacks import backup_and_restore as module
 
-    check = module._check_readable
+    check = getattr(module, "_check_readable", None)
 
     # Storage faults seen by worker 1 alone (a stale network mount, a
     # cache): it reads other bytes than the chief committed.
     def unreadable_latest(path, sha256):
         if os.path.basename(path) == latest:
             return "simulated: cannot read the latest backup"
-        return check(path, sha256)
+        return check(path, sha256) if check else None
 
     def unreadable(path, sha256):
         return "simulated: cannot read any backup"
@@ -251,6 +261,10 @@ def restore_agreement(task_index: int, backup_dir: str) -> dict:
     ):
         if rank == 1 and name == "other_weights":
             model.load_weights = fault
+        elif rank == 1 and check is None:
+            # Code without a readability check (before issue 18): the
+            # fault shows when worker 1 loads.
+            model.load_weights = _failing_load(fault, original)
         elif rank == 1:
             module._check_readable = fault
         results[name] = fit()
