@@ -233,7 +233,7 @@ def _assert_like_reference(model, reference):
     assert int(model.optimizer.iterations.numpy()) == updates
 
 
-def _run_int(strategy, backup, callbacks=(), save_freq=2):
+def _run_int(strategy, backup, callbacks=(), save_freq=2, per_execution=1):
     x, y = regression_data(40)
     with strategy.scope():
         model = mlp()
@@ -242,6 +242,7 @@ def _run_int(strategy, backup, callbacks=(), save_freq=2):
                 keras.optimizers.SGD(0.1, momentum=0.5), 3
             ),
             loss="mse",
+            steps_per_execution=per_execution,
         )
     history = model.fit(
         x,
@@ -264,23 +265,36 @@ def _metadata(backup):
         return json.load(f)
 
 
-@pytest.mark.parametrize("name", ["default", "mirrored_2"])
+@pytest.mark.parametrize(
+    "name, per_execution",
+    # MirroredStrategy / MultiWorker iterators: tests/distribute/
+    # test_fault_matrix.py (the 2-process int save_freq cases).
+    [("default", 1), ("default", 2)],
+)
 def test_int_save_freq_resumes_mid_epoch_exactly_across_two_crashes(
-    name, tmp_path
+    name, per_execution, tmp_path
 ):
     """save_freq=2 of 5 steps an epoch: the backups fall mid-epoch. A restart
     resumes after the saved batch (not at the epoch's start, as Keras), and
     its own saves record the epoch it is in, so a second crash resumes from
     there too, not from epoch 0 with trained weights."""
     backup = str(tmp_path / "backup")
+
+    def run(*callbacks):
+        return _run_int(
+            make_strategy(name), backup, callbacks, per_execution=per_execution
+        )
+
     with pytest.raises(RuntimeError, match="interrupted"):
-        _run_int(make_strategy(name), backup, [_Interrupt(1, 4)])
-    # Saves every 2 batches, counted across epochs: the last at (1, 2).
-    assert (_metadata(backup)["epoch"], _metadata(backup)["batch"]) == (1, 2)
+        run(_Interrupt(1, 4))
+    # Saves every 2 batches, counted across epochs (with 2 steps an
+    # execution: at the ends of executions), the last at (1, 2) or (1, 3).
+    assert _metadata(backup)["epoch"] == 1
+    assert _metadata(backup)["batch"] == (2 if per_execution == 1 else 3)
     with pytest.raises(RuntimeError, match="interrupted"):
-        _run_int(make_strategy(name), backup, [_Interrupt(2, 4)])
-    assert (_metadata(backup)["epoch"], _metadata(backup)["batch"]) == (2, 3)
-    model, history = _run_int(make_strategy(name), backup)
+        run(_Interrupt(2, 4))
+    assert _metadata(backup)["epoch"] == 2
+    model, history = run()
     assert history.epoch == [2, 3]
     _assert_like_reference(model, _reference_weights())
 
