@@ -379,6 +379,13 @@ def test_no_loadable_backup_is_a_clear_error(tmp_path):
         _run(make_strategy("default"), backup)
 
 
+# Keras's test module marks tests for its own runner.
+_KERAS_TEST_MARKS = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnknownMarkWarning"
+)
+
+
+@_KERAS_TEST_MARKS
 @pytest.mark.parametrize(
     "case",
     [
@@ -400,6 +407,7 @@ def test_keras_own_tests_pass_against_ours(case, monkeypatch):
     assert result.wasSuccessful(), result.errors + result.failures
 
 
+@_KERAS_TEST_MARKS
 def test_keras_step_case_resumes_without_training_batches_twice(tmp_path):
     """Keras's `test_best_case_step` on ours: a canary counts the batches
     trained. Keras trains the resumed epoch's first batches again (17);
