@@ -65,6 +65,7 @@ def _run_children(
     timeout: float,
     args: tuple = (),
     may_die: tuple[int, ...] = (),
+    stop_all_on_kill: bool = False,
 ) -> list[Any]:
     workdir = tempfile.mkdtemp(prefix="keras_mgpu_proc_")
     procs: list[subprocess.Popen] = []
@@ -93,6 +94,9 @@ def _run_children(
                 )
             )
         deadline = time.monotonic() + timeout
+        if stop_all_on_kill:
+            may_die = tuple(range(len(procs)))
+            _wait_or_stop_all(procs, deadline, target, timeout, logs)
         for proc in procs:
             remaining = max(deadline - time.monotonic(), 0.1)
             try:
@@ -137,6 +141,26 @@ def _run_children(
             log.close()
 
 
+def _wait_or_stop_all(procs, deadline, target, timeout, logs) -> None:
+    """Wait for every process; once one dies of a signal, SIGKILL the
+    others (a job scheduler restarting the whole job)."""
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode is not None and p.returncode < 0 for p in procs):
+            for proc in procs:
+                if proc.poll() is None:
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    proc.wait()
+            return
+        if time.monotonic() > deadline:
+            raise ProcessFailure(
+                f"{target} did not finish within {timeout:.0f}s" + _tails(logs)
+            )
+        time.sleep(0.05)
+
+
 def _tails(logs) -> str:
     out = []
     for index, log in enumerate(logs):
@@ -170,6 +194,7 @@ def run_workers(
     may_die: tuple[int, ...] = (),
     chief: bool = False,
     evaluator: bool = False,
+    stop_all_on_kill: bool = False,
 ) -> list[Any]:
     """Run `target` in the processes of a MultiWorkerMirrored cluster on
     127.0.0.1: `num_workers` collective members (worker-only, or
@@ -179,7 +204,9 @@ def run_workers(
     in each, `position` being its place in `cluster_tasks(...)`.
 
     Processes listed in `may_die` may exit abnormally (a test kills them):
-    their result is then None instead of a failure.
+    their result is then None instead of a failure. `stop_all_on_kill=True`:
+    once a process dies of a signal, the others are SIGKILLed at once (as a
+    scheduler restarting the whole job would) and any process may die.
     """
     tasks = cluster_tasks(num_workers, chief, evaluator)
     ports = iter(free_ports(len(tasks)))
@@ -195,7 +222,7 @@ def run_workers(
         envs.append(
             _child_env({**(env or {}), "TF_CONFIG": json.dumps(tf_config)})
         )
-    return _run_children(target, envs, timeout, args, may_die)
+    return _run_children(target, envs, timeout, args, may_die, stop_all_on_kill)
 
 
 def run_in_process(
@@ -203,6 +230,10 @@ def run_in_process(
     timeout: float = 180.0,
     args: tuple = (),
     env: dict[str, str] | None = None,
+    may_die: bool = False,
 ) -> Any:
-    """Run `target(0, *args)` in one fresh Python process; return its result."""
-    return _run_children(target, [_child_env(env)], timeout, args)[0]
+    """Run `target(0, *args)` in one fresh Python process; return its result
+    (None if `may_die` and it exited abnormally)."""
+    return _run_children(
+        target, [_child_env(env)], timeout, args, (0,) if may_die else ()
+    )[0]

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
+import uuid
 from typing import Any
 
 from keras_mgpu._flavour import object_flavour
 
 _METADATA = "training_metadata.json"
+_FORMAT = 2  # our metadata: a pointer with the file's SHA-256
+_KILL_ENV = "KERAS_MGPU_TEST_KILL_AT"  # test-only seam, see `_test_kill`
 
 
 def _keras3_base() -> type:
@@ -34,7 +39,7 @@ def _tf_keras_callback_base() -> tuple:
 
 class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
     """Keras's `BackupAndRestore`, with the same arguments, made safe for
-    multi-worker training and for a process killed while it writes.
+    multi-worker training and for a process killed anywhere.
 
     Keras 3's own callback lets every worker of a
     `MultiWorkerMirroredStrategy` cluster create and write the same
@@ -46,40 +51,58 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
       variables, e.g. `GradientAccumulationOptimizer`'s accumulators, is a
       collective every worker must join), but only the chief writes into
       `backup_dir`; the other workers write to a private temporary folder
-      that is deleted at once. A backup is committed atomically: the
-      weights go to a new file, then the metadata naming that file replaces
-      the old metadata (a rename), then the previous weights file is
-      removed. A process killed mid-save leaves the previous backup intact.
+      that is deleted at once. A backup is committed so that a SIGKILL at
+      any point leaves the previous one intact: the weights go to a file
+      no process or run ever wrote before (never over a committed file),
+      are flushed to disk (fsync) and hashed (SHA-256); then a metadata
+      file naming that file and its digest replaces the old metadata (a
+      rename, the commit point); then older weights files are removed.
+      `delete_checkpoint` removes the metadata before the files.
     - **Restoring.** At `on_train_begin` every worker reads the chief's
       backup from `backup_dir`, which therefore must be storage every
       worker reaches (a shared file system or a bucket, as for tf_keras).
-      The workers check, with one small all-reduce, that they all see the
-      same backup; a worker that sees another one (or none) makes every
-      worker raise a `ValueError` naming it, instead of training from
-      different weights.
-    - What is restored is everything `model.save_weights` holds: weights
-      and optimizer variables, so `GradientAccumulationOptimizer`'s
-      accumulators and counters (resume in the middle of a window), the
-      update counter that `Warmup` and the LR callbacks read, momentum and
-      EMA. Training resumes at the first epoch after the backup and ends
-      with the weights of an uninterrupted run when each epoch's data do
-      not depend on how many epochs ran before in the process
-      (`shuffle=False`, or a dataset shuffled with a seed per epoch).
-    - `save_freq=<int>` saves every that many batches and, as in Keras,
-      resumes at the start of the interrupted epoch with the weights of
-      the last backup (batches since the epoch began are trained again):
-      use `save_freq="epoch"` (the default) for an exact resume.
+      Three small all-reduces make the workers agree: they all see the
+      same metadata; each reports which backups (the latest and, with
+      `double_checkpoint`, the previous) it can read, with the committed
+      digest, and all load the newest that every worker can read; after
+      loading, each reports its status and a digest of the weights it
+      holds. A worker that cannot read or load, or loaded other weights,
+      makes every worker raise the same `ValueError` naming it: none is
+      left waiting in a collective, none trains from other weights.
+    - **Exact resume.** What is restored is everything `model.save_weights`
+      holds: weights and optimizer variables, so
+      `GradientAccumulationOptimizer`'s accumulators and counters (resume
+      in the middle of a window), the update counter that `Warmup` and the
+      LR callbacks read, momentum and EMA. With `save_freq="epoch"`,
+      training resumes at the epoch after the backup; with an integer it
+      resumes after the saved batch (unlike Keras, which trains the
+      interrupted epoch's first batches again): the batches the backup
+      already holds are read and dropped, not trained. Either ends with the
+      weights of an uninterrupted run when each epoch's data do not depend
+      on how many epochs ran before in the process (`shuffle=False`, or a
+      dataset shuffled with a seed per epoch); the resumed epoch's logged
+      loss covers only the batches trained after the restart.
+    - A backup records the number of workers and of replicas that wrote
+      it; a restart with other numbers is refused (per-replica optimizer
+      state and the split of each batch would differ), naming both.
 
     On one worker (no strategy, `MirroredStrategy`, ...) it behaves as
-    Keras's, plus the atomic commit. In a tf_keras `fit` it hands every
+    Keras's, plus the commit protocol and the exact resume. It reads a
+    backup written by Keras's callback. In a tf_keras `fit` it hands every
     hook to tf_keras's `BackupAndRestore` (multi-worker safe already).
 
     Args:
         backup_dir: str, folder of the backup (not shared with anything
             else). Under multi-worker training: reachable by every worker.
-        save_freq: "epoch" (default) or int >= 1, batches between saves.
+        save_freq: "epoch" (default), int >= 1 (batches between saves) or
+            False (or 0): no periodic save, as Keras documents it (Keras
+            3.15 in fact saves after every batch); the callback still
+            restores a backup found in `backup_dir`. Not allowed in a
+            tf_keras `fit` (tf_keras then requires preemption
+            checkpointing).
         double_checkpoint: bool, also keep the previous backup and fall
-            back to it when the latest cannot be read. Defaults to False.
+            back to it when a worker cannot read the latest (every worker
+            then loads the previous). Defaults to False.
         delete_checkpoint: bool, delete `backup_dir` when training ends
             (the chief does). Defaults to True.
 
@@ -100,23 +123,32 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
     def __init__(
         self,
         backup_dir: str,
-        save_freq: str | int = "epoch",
+        save_freq: str | int | bool = "epoch",
         double_checkpoint: bool = False,
         delete_checkpoint: bool = True,
     ) -> None:
-        if isinstance(save_freq, int) and (
-            isinstance(save_freq, bool) or save_freq < 1
+        if save_freq is False or (
+            isinstance(save_freq, int)
+            and not isinstance(save_freq, bool)
+            and save_freq == 0
+        ):
+            save_freq = False  # Keras documents `False`; 0 is the same value
+        elif save_freq != "epoch" and (
+            not isinstance(save_freq, int)
+            or isinstance(save_freq, bool)
+            or save_freq < 1
         ):
             raise ValueError(
-                "Argument `save_freq` must be 'epoch' or an integer >= 1. "
-                f"Received: save_freq={save_freq!r}"
+                "Argument `save_freq` must be 'epoch', an integer >= 1 or "
+                f"False (0). Received: save_freq={save_freq!r}"
             )
         super().__init__(
             backup_dir,
-            save_freq=save_freq,
+            save_freq="epoch" if save_freq is False else save_freq,
             double_checkpoint=double_checkpoint,
             delete_checkpoint=delete_checkpoint,
         )
+        self.save_freq = save_freq
         self._arguments = dict(
             backup_dir=backup_dir,
             save_freq=save_freq,
@@ -129,6 +161,9 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         self._chief_worker_only = False
         self._saves = 0
         self._private_dir: str | None = None
+        self._run_id = uuid.uuid4().hex[:12]
+        self._kill_counts: dict[str, int] = {}
+        self._skip: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------
     # tf_keras: delegate to its own BackupAndRestore
@@ -143,6 +178,16 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
                 # TensorFlow checkpoints, written atomically).
                 arguments = dict(self._arguments)
                 arguments.pop("double_checkpoint")
+                if arguments["save_freq"] is False:
+                    # tf_keras accepts it only with its preemption
+                    # checkpointing, which this callback does not expose.
+                    raise ValueError(
+                        "Argument `save_freq` cannot be False (0) in a "
+                        "tf_keras `fit`: tf_keras's BackupAndRestore then "
+                        "requires `save_before_preemption=True`. Pass "
+                        "save_freq='epoch' or an integer >= 1. Received: "
+                        "save_freq=False"
+                    )
                 self._tf_keras_callback = tf_keras.callbacks.BackupAndRestore(
                     **arguments
                 )
@@ -154,10 +199,10 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             self._tf_keras_callback.set_params(params)
 
     def _implements_train_batch_hooks(self) -> bool:
-        if self._tf_keras_callback is not None:
-            # tf_keras's keeps its saved batch number in every batch.
-            return True
-        return self.save_freq != "epoch"
+        # tf_keras's keeps its saved batch number in every batch; ours
+        # counts batches (int save_freq) or skips the batches a mid-epoch
+        # backup already holds.
+        return True
 
     def _delegate(self, hook: str, *args: Any) -> bool:
         if self._tf_keras_callback is None:
@@ -181,39 +226,75 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         self._is_chief = bool(info["is_chief"]) or not together
         self._num_workers = int(info["num_workers"]) if together else 1
         self._task_id = int(info["rank"] or 0) if together else 0
-        metadata = self._read_metadata()
-        if self._num_workers > 1:
-            self._check_workers_agree(metadata)
-        if metadata is not None:
-            self._restore(metadata)
+        self._num_replicas = int(
+            getattr(strategy, "num_replicas_in_sync", 1) or 1
+        )
+        # A callback object may serve several `fit` calls (Keras's tests
+        # restart with the same one): start each from a clean state.
+        self._uninstall_skipper()
+        self._skip = None
+        self._saves = 0
+        self._current_epoch = 0
+        self._last_batch_seen = -1
+        self._batches_seen_since_last_saving = 0
+        self._restore()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        if not self._delegate("on_epoch_begin", epoch, logs):
-            super().on_epoch_begin(epoch, logs)
+        if self._delegate("on_epoch_begin", epoch, logs):
+            return
+        # Batch-level saves record this epoch, restored or not (Keras
+        # records 0 until the first epoch ends after a restore).
+        self._current_epoch = epoch
+        self._last_batch_seen = -1
+        if self._skip is not None and self._skip[0] != epoch:
+            self._uninstall_skipper()
+            self._skip = None
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if not self._delegate("on_epoch_end", epoch, logs):
-            super().on_epoch_end(epoch, logs)
+        if self._delegate("on_epoch_end", epoch, logs):
+            return
+        self._uninstall_skipper()
+        self._skip = None
+        self._current_epoch = epoch + 1
+        if self.save_freq == "epoch":
+            self._save_model(epoch + 1, -1)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None):
-        if not self._delegate("on_train_batch_begin", batch, logs):
-            super().on_train_batch_begin(batch, logs)
+        if self._delegate("on_train_batch_begin", batch, logs):
+            return
+        if self._skipping(batch):
+            self._install_skipper(self._skip[1] - batch + 1)
+        elif self._skip is not None:
+            self._uninstall_skipper()
+            self._skip = None
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if not self._delegate("on_train_batch_end", batch, logs):
-            super().on_train_batch_end(batch, logs)
+        if self._delegate("on_train_batch_end", batch, logs):
+            return
+        if self._skipping(batch):
+            # Batches the backup already holds: count from the backup's
+            # save, as the uninterrupted run did.
+            self._last_batch_seen = batch
+            self._batches_seen_since_last_saving = 0
+            return
+        if isinstance(self.save_freq, bool) or self.save_freq == "epoch":
+            return
+        self._batches_seen_since_last_saving += batch - self._last_batch_seen
+        self._last_batch_seen = batch
+        if self._batches_seen_since_last_saving >= self.save_freq:
+            self._batches_seen_since_last_saving = 0
+            self._save_model(self._current_epoch, batch)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self._delegate("on_train_end", logs):
             return
+        self._uninstall_skipper()
+        self._skip = None
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
             self._private_dir = None
         if self.delete_checkpoint and self._is_chief:
-            import tensorflow as tf
-
-            if tf.io.gfile.exists(self.backup_dir):
-                tf.io.gfile.rmtree(self.backup_dir)
+            self._delete_backup()
 
     # ------------------------------------------------------------------
     # Saving
@@ -221,57 +302,98 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
     def _strategy(self) -> Any:
         return getattr(self.model, "distribute_strategy", None)
 
-    def _save_model(self) -> None:
-        """Every worker saves; only the chief commits into `backup_dir`."""
+    def _save_model(self, epoch: int, batch: int) -> None:
+        """Every worker saves; only the chief commits into `backup_dir`.
+
+        `epoch`, `batch`: where a restart resumes, at batch `batch + 1` of
+        `epoch` (`batch=-1`: at the start of `epoch`).
+        """
         import tensorflow as tf
 
+        steps = (self.params or {}).get("steps")
+        if batch >= 0 and steps and batch + 1 >= steps:
+            epoch, batch = epoch + 1, -1  # the epoch's last batch
         self._saves += 1
-        name = f"backup-{self._saves}-e{self._current_epoch}.weights.h5"
+        # A name no other process or run ever wrote: a save never
+        # overwrites a committed file in place.
+        name = f"backup-{self._run_id}-{self._saves:06d}.weights.h5"
         if not self._is_chief:
             if self._private_dir is None:
                 self._private_dir = tempfile.mkdtemp(prefix="keras_mgpu_bkp_")
             path = os.path.join(self._private_dir, name)
             self.model.save_weights(path, overwrite=True)
+            self._test_kill("weights_partial", path)
+            self._test_kill("weights_written")
             os.remove(path)
             return
         tf.io.gfile.makedirs(self.backup_dir)
-        self.model.save_weights(
-            os.path.join(self.backup_dir, name), overwrite=True
-        )
-        previous = self._read_metadata()
+        path = os.path.join(self.backup_dir, name)
+        self.model.save_weights(path, overwrite=True)
+        self._test_kill("weights_partial", path)
+        _fsync(path)
+        self._test_kill("weights_written")
+        previous = None
+        if self.double_checkpoint:
+            try:
+                previous = self._read_metadata()
+            except Exception:  # an unreadable pointer: keep no previous
+                previous = None
         metadata = {
-            "epoch": self._current_epoch,
-            "batch": self._last_batch_seen,
+            "format": _FORMAT,
+            "epoch": int(epoch),
+            "batch": int(batch),
             "weights": name,
-            "previous": previous if self.double_checkpoint else None,
+            "sha256": _file_sha256(path),
+            "num_workers": self._num_workers,
+            "num_replicas": self._num_replicas,
+            "previous": None,
         }
-        if previous is not None and self.double_checkpoint:
-            previous["previous"] = None  # keep one level only
+        if previous is not None:
+            previous.pop("previous", None)  # keep one level only
+            metadata["previous"] = previous
         self._write_metadata(metadata)
-        for stale in self._stale_weight_files(metadata):
-            tf.io.gfile.remove(os.path.join(self.backup_dir, stale))
+        self._remove_stale_files(metadata)
 
-    def _stale_weight_files(self, metadata: dict) -> list[str]:
+    def _remove_stale_files(self, metadata: dict) -> None:
+        """Files no committed pointer names: older backups, files a killed
+        chief was writing, its temporary pointers."""
         import tensorflow as tf
 
         keep = {metadata["weights"]}
         if metadata.get("previous"):
             keep.add(metadata["previous"]["weights"])
-        return [
-            f
-            for f in tf.io.gfile.listdir(self.backup_dir)
-            if f.endswith(".weights.h5") and f not in keep
-        ]
+        for f in tf.io.gfile.listdir(self.backup_dir):
+            stale = f.endswith(".weights.h5") and f not in keep
+            if stale or f.endswith(".tmp"):
+                tf.io.gfile.remove(os.path.join(self.backup_dir, f))
 
     def _write_metadata(self, metadata: dict) -> None:
         import tensorflow as tf
 
         path = os.path.join(self.backup_dir, _METADATA)
-        temporary = f"{path}.tmp"
+        temporary = f"{path}.{self._run_id}.tmp"
         with tf.io.gfile.GFile(temporary, "w") as f:
             f.write(json.dumps(metadata))
+        _fsync(temporary)
+        self._test_kill("metadata_written")
         # The commit point: readers see the old backup or the new one.
         tf.io.gfile.rename(temporary, path, overwrite=True)
+        _fsync(self.backup_dir)
+        self._test_kill("committed")
+
+    def _delete_backup(self) -> None:
+        """The pointer first, then the files it named: a process killed in
+        between leaves no pointer to a deleted file."""
+        import tensorflow as tf
+
+        if not tf.io.gfile.exists(self.backup_dir):
+            return
+        pointer = os.path.join(self.backup_dir, _METADATA)
+        if tf.io.gfile.exists(pointer):
+            tf.io.gfile.remove(pointer)
+            _fsync(self.backup_dir)
+        self._test_kill("pointer_deleted")
+        tf.io.gfile.rmtree(self.backup_dir)
 
     # ------------------------------------------------------------------
     # Restoring
@@ -285,21 +407,76 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         with tf.io.gfile.GFile(path, "r") as f:
             metadata = json.loads(f.read())
         if "weights" not in metadata:
-            # Written by keras.callbacks.BackupAndRestore.
+            # Written by keras.callbacks.BackupAndRestore: it resumes at the
+            # start of the epoch (its "batch" is not where it stopped).
             metadata["weights"] = os.path.basename(self._weights_path)
+            metadata["batch"] = -1
         return metadata
 
-    def _check_workers_agree(self, metadata: dict | None) -> None:
-        """Every worker must restore the same backup (one all-reduce)."""
+    def _candidates(self, metadata: dict) -> list[dict]:
+        """The backups to try, newest first."""
+        import tensorflow as tf
+
+        candidates = [metadata]
+        if not self.double_checkpoint:
+            return candidates
+        if metadata.get("format") == _FORMAT:
+            if metadata.get("previous"):
+                candidates.append(metadata["previous"])
+            return candidates
+        # Keras's own double checkpoint: `*.bkp` copies.
+        previous = f"{self._training_metadata_path}.bkp"
+        if tf.io.gfile.exists(f"{self._weights_path}.bkp"):
+            epoch = 0
+            if tf.io.gfile.exists(previous):
+                with tf.io.gfile.GFile(previous, "r") as f:
+                    epoch = int(json.loads(f.read())["epoch"])
+            candidates.append(
+                {
+                    "epoch": epoch,
+                    "batch": -1,
+                    "weights": os.path.basename(self._weights_path) + ".bkp",
+                }
+            )
+        return candidates
+
+    def _restore(self) -> None:
+        """Restore the newest backup every worker can load, the same on
+        every worker, or make every worker raise the same error.
+
+        Each step ends with one small all-reduce in which every worker
+        reports what it read or loaded (`gather_rows`), so a worker that
+        fails never leaves the others waiting in a collective.
+        """
         from keras_mgpu.distribute.collectives import gather_rows
 
-        seen = -1 if metadata is None else int(metadata["epoch"])
-        epochs = gather_rows(self._strategy(), [seen])[:, 0]
-        if len(set(epochs.tolist())) > 1:
+        strategy = self._strategy()
+        metadata, error = None, None
+        try:
+            metadata = self._read_metadata()
+        except Exception as exc:  # every worker must hear of it
+            error = f"{type(exc).__name__}: {exc}"
+        identity = _sha256_words(
+            json.dumps(metadata, sort_keys=True) if metadata else ""
+        )
+        rows = gather_rows(
+            strategy,
+            [float(error is None), float(metadata is not None), *identity],
+        )
+        failed = [r for r in range(len(rows)) if rows[r, 0] == 0]
+        if failed:
+            raise ValueError(
+                f"{_workers(failed)} cannot read the backup's metadata "
+                f"{os.path.join(self.backup_dir, _METADATA)!r}"
+                + (f" ({error})" if error else "")
+                + ". Fix or delete it: no worker starts training."
+            )
+        if len({tuple(r[1:]) for r in rows}) > 1:
             described = ", ".join(
-                f"worker {i}: "
-                + ("no backup" if e < 0 else f"the backup of epoch {int(e)}")
-                for i, e in enumerate(epochs)
+                f"worker {r}: "
+                + ("no backup" if rows[r, 1] == 0 else "a backup")
+                + f" ({_hex(rows[r, 2:])})"
+                for r in range(len(rows))
             )
             raise ValueError(
                 "The workers see different backups in backup_dir="
@@ -308,10 +485,9 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
                 "(a shared file system or a bucket): the chief writes it, "
                 "every worker restores from it."
             )
-
-    def _restore(self, metadata: dict) -> None:
-        """Load the backup named by `metadata` (or the previous one if it
-        cannot be read and `double_checkpoint` kept one)."""
+        if metadata is None:
+            return
+        self._check_cluster_shape(metadata)
         model = self.model
         if not model.built:
             raise ValueError(
@@ -321,16 +497,270 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             )
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
+        # 1. Which backups can each worker read? Decided from every
+        # worker's answer, before any worker loads (loading may itself run
+        # collectives: all workers must load the same file, or none).
+        candidates = self._candidates(metadata)
+        errors = [self._readable(candidate) for candidate in candidates]
+        rows = gather_rows(
+            strategy, [float(error is None) for error in errors] + [1.0] * 2
+        )
+        chosen, failures = None, []
+        for index, candidate in enumerate(candidates):
+            failed = [r for r in range(len(rows)) if rows[r, index] == 0]
+            if not failed:
+                chosen = candidate
+                break
+            failures.append(
+                f"{candidate['weights']!r} (epoch {candidate['epoch']}): "
+                f"{_workers(failed)} cannot read it"
+                + (f" (here: {errors[index]})" if errors[index] else "")
+            )
+        if chosen is None:
+            raise ValueError(
+                f"No backup in backup_dir={self.backup_dir!r} can be read by "
+                "every worker: "
+                + "; ".join(failures)
+                + ". No worker starts training: fix the storage, or delete "
+                "backup_dir to start from scratch"
+                + (
+                    ""
+                    if self.double_checkpoint
+                    else " (double_checkpoint=True keeps a previous backup "
+                    "to fall back to)"
+                )
+                + "."
+            )
+        # 2. Load it, then check what every worker loaded: the load status
+        # and a digest of the weights it holds now (computed whether the
+        # load worked or not, so every worker reaches the all-reduce).
+        error = self._load(chosen)
+        rows = gather_rows(
+            strategy,
+            [float(error is None), *_sha256_words(_weights_bytes(model))],
+        )
+        failed = [r for r in range(len(rows)) if rows[r, 0] == 0]
+        if failed:
+            raise ValueError(
+                f"{_workers(failed)} could not load {chosen['weights']!r} "
+                f"from backup_dir={self.backup_dir!r}"
+                + (f" ({error})" if error else "")
+                + ". No worker starts training."
+            )
+        if len({tuple(r[1:]) for r in rows}) > 1:
+            described = ", ".join(
+                f"worker {r}: {_hex(rows[r, 1:])}" for r in range(len(rows))
+            )
+            raise ValueError(
+                "The workers loaded different weights from "
+                f"{chosen['weights']!r} in backup_dir={self.backup_dir!r} "
+                f"(digests of the loaded weights: {described}): the file "
+                "changed while they read it, or the model differs between "
+                "workers. No worker starts training."
+            )
+        self._resume_at(chosen)
+
+    def _readable(self, candidate: dict) -> str | None:
+        """Why this worker cannot read a backup, or None."""
+        path = os.path.join(self.backup_dir, candidate["weights"])
         try:
-            model.load_weights(
-                os.path.join(self.backup_dir, metadata["weights"])
+            return _check_readable(path, candidate.get("sha256"))
+        except Exception as exc:  # reported to every worker, then raised
+            return f"{type(exc).__name__}: {exc}"
+
+    def _check_cluster_shape(self, metadata: dict) -> None:
+        """A resume is exact only on the cluster shape that wrote it."""
+        workers = metadata.get("num_workers")
+        replicas = metadata.get("num_replicas")
+        if workers is None or (
+            (workers, replicas) == (self._num_workers, self._num_replicas)
+        ):
+            return
+        raise ValueError(
+            f"The backup in backup_dir={self.backup_dir!r} was written by a "
+            f"job of {workers} worker(s) and {replicas} replica(s); this "
+            f"job has {self._num_workers} worker(s) and "
+            f"{self._num_replicas} replica(s). A resume is exact only on "
+            "the same shape (per-replica optimizer state, how each batch "
+            f"is split): restart with {workers} worker(s) and {replicas} "
+            "replica(s), or delete backup_dir (or pass a new one) to start "
+            "from scratch."
+        )
+
+    def _load(self, candidate: dict) -> str | None:
+        """Load one backup; the reason it failed, or None."""
+        try:
+            self.model.load_weights(
+                os.path.join(self.backup_dir, candidate["weights"])
             )
-        except OSError:
-            previous = metadata.get("previous")
-            if not previous:
-                raise
-            metadata = previous
-            model.load_weights(
-                os.path.join(self.backup_dir, metadata["weights"])
+        except Exception as exc:  # reported to every worker, then raised
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _resume_at(self, candidate: dict) -> None:
+        epoch = int(candidate["epoch"])
+        batch = int(candidate.get("batch", -1))
+        self.model._initial_epoch = epoch
+        self._current_epoch = epoch
+        if batch >= 0:
+            # Resume exactly after the saved batch: the first `batch + 1`
+            # batches of `epoch` are read and dropped, not trained again.
+            self._skip = (epoch, batch)
+
+    # ------------------------------------------------------------------
+    # Resuming mid-epoch
+    # ------------------------------------------------------------------
+    def _skipping(self, batch: int) -> bool:
+        return (
+            self._skip is not None
+            and self._current_epoch == self._skip[0]
+            and batch <= self._skip[1]
+        )
+
+    def _install_skipper(self, steps: int) -> None:
+        """Make `fit`'s next call of `train_function` read and drop
+        `steps` batches (at most `steps_per_execution`) instead of
+        training on them. Keras 3.10-3.15's TensorFlow `fit` calls
+        `self.train_function(iterator)` once per execution and reads the
+        attribute each time."""
+        model = self.model
+        current = getattr(model, "train_function", None)
+        if current is None:
+            return
+        original = getattr(current, "_keras_mgpu_original", current)
+        per_execution = int(getattr(model, "steps_per_execution", 1) or 1)
+        count = max(1, min(steps, per_execution))
+
+        def skip(iterator):
+            for _ in range(count):
+                next(iterator)
+            return {}
+
+        skip._keras_mgpu_original = original
+        model.train_function = skip
+
+    def _uninstall_skipper(self) -> None:
+        model = getattr(self, "_model", None)
+        if model is None:
+            return
+        current = getattr(model, "train_function", None)
+        original = getattr(current, "_keras_mgpu_original", None)
+        if original is not None:
+            model.train_function = original
+
+    # ------------------------------------------------------------------
+    # Test-only seam
+    # ------------------------------------------------------------------
+    def _test_kill(self, point: str, path: str | None = None) -> None:
+        """Test-only seam, not API: SIGKILL this process at `point` when
+        the environment variable KERAS_MGPU_TEST_KILL_AT names it, as
+        `point:role[:n]` (role: chief, worker or any; the n-th time, 1 by
+        default). `weights_partial` first truncates the weights file it
+        just wrote to half, as a kill during the write leaves it."""
+        spec = os.environ.get(_KILL_ENV)
+        if not spec:
+            return
+        wanted, _, rest = spec.partition(":")
+        role, _, nth = rest.partition(":")
+        if wanted != point:
+            return
+        if (role == "chief" and not self._is_chief) or (
+            role == "worker" and self._is_chief
+        ):
+            return
+        count = self._kill_counts.get(point, 0) + 1
+        self._kill_counts[point] = count
+        if count != int(nth or 1):
+            return
+        if path is not None:
+            size = os.path.getsize(path)
+            with open(path, "r+b") as f:
+                f.truncate(size // 2)
+        os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
+
+
+def _fsync(path: str) -> None:
+    """Flush a local file or folder to the disk (remote file systems
+    commit on close)."""
+    if "://" in path:
+        return
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) * os.path.isdir(path)
+    try:
+        descriptor = os.open(path, flags)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass  # some file systems cannot fsync a folder
+    finally:
+        os.close(descriptor)
+
+
+def _check_readable(path: str, sha256: str | None) -> str | None:
+    """Why the backup file at `path` cannot be loaded, or None: it must
+    exist and hold the bytes that were committed (their SHA-256), or, for a
+    backup written by Keras (no digest), open as HDF5 with every dataset
+    readable."""
+    import tensorflow as tf
+
+    if not tf.io.gfile.exists(path):
+        return f"{path!r} does not exist"
+    if sha256:
+        if _file_sha256(path) != sha256:
+            return (
+                f"{path!r} differs from the file that was committed (its "
+                "SHA-256 does not match)"
             )
-        model._initial_epoch = int(metadata["epoch"])
+        return None
+    if "://" in path:
+        return None  # Keras's own file, remote: its load will tell
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        f.visititems(
+            lambda name, item: (
+                item[()] if isinstance(item, h5py.Dataset) else None
+            )
+        )
+    return None
+
+
+def _file_sha256(path: str) -> str:
+    import tensorflow as tf
+
+    digest = hashlib.sha256()
+    with tf.io.gfile.GFile(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _weights_bytes(model: Any) -> bytes:
+    """The model's weights and optimizer step counter, as bytes."""
+    import numpy as np
+
+    parts = [np.ascontiguousarray(w).tobytes() for w in model.get_weights()]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        parts.append(np.asarray(optimizer.iterations).tobytes())
+    return b"".join(parts)
+
+
+def _sha256_words(data: str | bytes) -> list[float]:
+    """A SHA-256 as 4 words of 48 bits, each exact in float64 (the
+    all-reduce of `gather_rows` is in float64)."""
+    if isinstance(data, str):
+        data = data.encode()
+    hexdigest = hashlib.sha256(data).hexdigest()
+    return [float(int(hexdigest[12 * i : 12 * i + 12], 16)) for i in range(4)]
+
+
+def _hex(words: Any) -> str:
+    return "".join(f"{int(w):012x}" for w in words)[:12]
+
+
+def _workers(ranks: list[int]) -> str:
+    return ("worker " if len(ranks) == 1 else "workers ") + ", ".join(
+        str(r) for r in ranks
+    )

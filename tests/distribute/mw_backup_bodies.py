@@ -8,6 +8,7 @@ gets every worker's result even when training failed as intended.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -169,3 +170,106 @@ def uninterrupted(task_index: int) -> dict:
         "weights": [w.tolist() for w in model.get_weights()],
         "updates": int(model.optimizer.iterations.numpy()),
     }
+
+
+def _failing_load(fault, load):
+    def failing(path, *args, **kwargs):
+        reason = fault(path, None)
+        if reason:
+            raise OSError(reason)
+        return load(path, *args, **kwargs)
+
+    return failing
+
+
+def restore_agreement(task_index: int, backup_dir: str) -> dict:
+    """Worker 1 cannot load the latest backup, cannot load any, or loads
+    other weights than the chief: what each worker does (item 5 of issue
+    18). The backup: latest = end of epoch 2, previous = end of epoch 1."""
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    import keras_mgpu
+    from keras_mgpu._flavour import keras
+    from keras_mgpu.callbacks import BackupAndRestore
+    from keras_mgpu.distribute.strategy import worker_info
+
+    keras_mgpu.distribute.enable_multi_worker_fit()
+    rank = worker_info(strategy)["rank"]
+    with strategy.scope():
+        model = _compiled_model()
+    x, y = _data()
+
+    class StopAtEpoch2(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 2:
+                raise RuntimeError("stop")  # on every worker, same point
+
+    def fit(*extra):
+        callback = BackupAndRestore(
+            backup_dir, double_checkpoint=True, delete_checkpoint=False
+        )
+        started = time.monotonic()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                history = model.fit(
+                    x,
+                    y,
+                    batch_size=GLOBAL_BATCH,
+                    epochs=3,
+                    shuffle=False,
+                    verbose=0,
+                    callbacks=[callback, *extra],
+                )
+            return {"epochs": history.epoch, "error": None}
+        except Exception as exc:  # the failure under test
+            return {
+                "error": f"{type(exc).__name__}: {exc}"[-2000:],
+                "after": time.monotonic() - started,
+            }
+
+    fit(StopAtEpoch2())
+    original = model.load_weights
+    with open(os.path.join(backup_dir, "training_metadata.json")) as f:
+        latest = json.load(f)["weights"]
+
+    from keras_mgpu.callbacks import backup_and_restore as module
+
+    check = getattr(module, "_check_readable", None)
+
+    # Storage faults seen by worker 1 alone (a stale network mount, a
+    # cache): it reads other bytes than the chief committed.
+    def unreadable_latest(path, sha256):
+        if os.path.basename(path) == latest:
+            return "simulated: cannot read the latest backup"
+        return check(path, sha256) if check else None
+
+    def unreadable(path, sha256):
+        return "simulated: cannot read any backup"
+
+    def other_weights(path, *args, **kwargs):
+        original(path, *args, **kwargs)
+        first = model.weights[0]
+        first.assign(first.numpy() + 1.0)
+
+    results = {}
+    for name, fault in (
+        ("none_loadable", unreadable),
+        ("other_weights", other_weights),
+        ("latest_unreadable", unreadable_latest),
+    ):
+        if rank == 1 and name == "other_weights":
+            model.load_weights = fault
+        elif rank == 1 and check is None:
+            # Code without a readability check (before issue 18): the
+            # fault shows when worker 1 loads.
+            model.load_weights = _failing_load(fault, original)
+        elif rank == 1:
+            module._check_readable = fault
+        results[name] = fit()
+        model.load_weights = original
+        module._check_readable = check
+        if name == "latest_unreadable":
+            results[name]["weights"] = [w.tolist() for w in model.get_weights()]
+    return results

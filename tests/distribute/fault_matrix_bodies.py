@@ -1,0 +1,164 @@
+"""Process bodies for tests/distribute/test_fault_matrix.py: one small
+training run with keras_mgpu's BackupAndRestore, killed (SIGKILL) at a
+chosen point, then restarted.
+
+Kill points inside the callback's commit protocol come from its test-only
+seam, the environment variable KERAS_MGPU_TEST_KILL_AT (`point:role[:n]`,
+see `BackupAndRestore._test_kill`); kills at a training step or during
+validation come from the `_Killer` callback here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+SAMPLES = 48
+GLOBAL_BATCH = 8  # 6 steps an epoch
+EPOCHS = 3
+ACCUMULATION = 4  # windows straddle the epochs
+WARMUP_UPDATES = 4  # of 4 updates in all: every backup is mid-warmup
+
+
+def _data():
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(SAMPLES, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1))).astype("float32")
+    return x, y
+
+
+def _compiled_model():
+    from keras_mgpu import GradientAccumulationOptimizer
+    from keras_mgpu._flavour import keras
+
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(
+        optimizer=GradientAccumulationOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.5), ACCUMULATION
+        ),
+        loss="mse",
+    )
+    return model
+
+
+def _killer(stop: list, is_chief: bool):
+    """SIGKILL this process at a training step (`["step", epoch, batch,
+    role]`) or a validation step (`["validation", epoch, role]`)."""
+    from keras_mgpu._flavour import keras
+
+    kind, *where, role = stop
+    if (role == "chief" and not is_chief) or (role == "worker" and is_chief):
+        return keras.callbacks.Callback()
+
+    class Killer(keras.callbacks.Callback):
+        epoch = 0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if kind == "step" and [self.epoch, batch] == where:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_test_batch_begin(self, batch, logs=None):
+            if kind == "validation" and [self.epoch, batch] == [where[0], 1]:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return Killer()
+
+
+def train(
+    position: int,
+    backup_dir: str,
+    save_freq,
+    double_checkpoint: bool,
+    stop: list | None = None,
+    multi_worker: bool = True,
+) -> dict:
+    """The run under test; killed where `stop` or the seam says."""
+    import tensorflow as tf
+
+    import keras_mgpu
+    from keras_mgpu.callbacks import BackupAndRestore, LearningRateWarmup
+    from keras_mgpu.distribute.strategy import worker_info
+
+    if multi_worker:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        keras_mgpu.distribute.enable_multi_worker_fit()
+        info = worker_info(strategy)
+    else:
+        strategy = tf.distribute.get_strategy()
+        info = {"rank": 0, "is_chief": True, "task_name": "local"}
+    with strategy.scope():
+        model = _compiled_model()
+    callbacks = [
+        BackupAndRestore(
+            backup_dir,
+            save_freq=save_freq,
+            double_checkpoint=double_checkpoint,
+        ),
+        LearningRateWarmup(warmup_steps=WARMUP_UPDATES),
+    ]
+    if stop:
+        callbacks.append(_killer(stop, bool(info["is_chief"])))
+    x, y = _data()
+    error, epochs_run = None, None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            history = model.fit(
+                x,
+                y,
+                batch_size=GLOBAL_BATCH,
+                epochs=EPOCHS,
+                shuffle=False,
+                validation_data=(x[:16], y[:16]),
+                verbose=0,
+                callbacks=callbacks,
+            )
+        epochs_run = history.epoch
+    except Exception as exc:  # reported, not raised: the test asserts on it
+        error = f"{type(exc).__name__}: {exc}"[-3000:]
+    return {
+        "error": error,
+        "epochs_run": epochs_run,
+        "rank": info["rank"],
+        "task_name": info["task_name"],
+        "weights": [w.tolist() for w in model.get_weights()],
+        "updates": int(model.optimizer.iterations.numpy()),
+    }
+
+
+def reference() -> dict:
+    """The uninterrupted run: one process, no strategy, no backup."""
+    from keras_mgpu.callbacks import LearningRateWarmup
+
+    model = _compiled_model()
+    x, y = _data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(
+            x,
+            y,
+            batch_size=GLOBAL_BATCH,
+            epochs=EPOCHS,
+            shuffle=False,
+            verbose=0,
+            callbacks=[LearningRateWarmup(warmup_steps=WARMUP_UPDATES)],
+        )
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "updates": int(model.optimizer.iterations.numpy()),
+    }
