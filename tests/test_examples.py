@@ -7,6 +7,7 @@ starts.
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import os
@@ -54,10 +55,15 @@ def _number(pattern: str, text: str) -> float:
 def test_every_example_is_tested():
     scripts = sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".py"))
     assert scripts == [
+        "batch_size_by_memory.py",
         "custom_training_loop.py",
+        "fine_tune_keras_hub.py",
         "mirrored_training.py",
+        "model_parallel.py",
         "multi_worker.py",
+        "preemption_resume.py",
         "ray_train.py",
+        "tensorboard_monitoring.py",
         "tfmot_pruning.py",
     ]
 
@@ -92,6 +98,38 @@ def test_custom_training_loop(tmp_path):
     # 32 micro-steps an epoch, 4 per update, 2 epochs.
     assert "micro-steps: 64, updates (optimizer.iterations): 16" in out
     assert _number(r"final validation accuracy: ([\d.]+)", out) > 0.5
+
+
+def test_fine_tune_keras_hub(tmp_path):
+    if importlib.util.find_spec("keras_hub") is None:
+        pytest.skip('keras-hub is not installed ("keras-mgpu[hub]")')
+    out = _run_example("fine_tune_keras_hub.py", tmp_path, timeout=300)
+    assert "2 replicas" in out
+    # Both encoder layers of the 2-layer BERT switched; the backbone is
+    # still a BertBackbone inside the user's classifier.
+    assert (
+        "recomputed layers: 2 (transformer_layer_0, transformer_layer_1) "
+        "in the BertBackbone of model 'classifier'"
+    ) in out
+    assert "global batch 64 = 8 per replica x 2 replicas x 4 steps" in out
+    # 512 samples / 16 per micro-step / 4 per update, 2 epochs.
+    assert _number(r"updates: (\d+)", out) == 16
+    first = _number(r"first epoch loss: ([\d.]+)", out)
+    final = _number(r"final loss: ([\d.]+)", out)
+    assert 0 < final < 1.0 and 0 < first < 1.0  # finite, near ln 2
+
+
+def test_tensorboard_monitoring(tmp_path):
+    out = _run_example("tensorboard_monitoring.py", tmp_path, timeout=180)
+    tags = set(re.findall(r"^  train: (\S+) = ", out, flags=re.M))
+    assert {"epoch_loss", "epoch_mem/host_rss_mb"} <= tags, tags
+    # No GPU here (CUDA_VISIBLE_DEVICES=-1): CPU utilization instead.
+    assert "epoch_cpu/util_mean_pct" in tags, tags
+    # Read back from the event files themselves, not from the logs.
+    assert glob.glob(
+        str(tmp_path / "tensorboard_monitoring_run/logs/train/events.*")
+    )
+    assert _number(r"CSV columns from the monitors: (\d+)", out) >= 5
 
 
 @pytest.mark.slow
