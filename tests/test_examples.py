@@ -132,6 +132,66 @@ def test_tensorboard_monitoring(tmp_path):
     assert _number(r"CSV columns from the monitors: (\d+)", out) >= 5
 
 
+def test_preemption_resume(tmp_path):
+    out = _run_example("preemption_resume.py", tmp_path, timeout=300)
+    assert "[job] SIGKILL in epoch 2, step 10/16" in out
+    assert "start 1 exited with -9" in out
+    # The restart resumed after the epoch-1 backup, not from scratch...
+    assert re.findall(r"\[job\] first epoch run: (\d+)", out) == ["1", "2"]
+    assert "[reference] first epoch run: 1" in out
+    # ...and ended where the uninterrupted run did: 3 epochs of 16 steps,
+    # 2 per update, the accumulation window cut by the kill included.
+    assert "[job] finished, updates: 24" in out
+    assert "[reference] finished, updates: 24" in out
+    difference = _number(
+        r"max abs weight difference, resumed vs uninterrupted: ([\d.e-]+)",
+        out,
+    )
+    assert difference < 1e-6
+
+
+def test_batch_size_by_memory(tmp_path):
+    out = _run_example("batch_size_by_memory.py", tmp_path, timeout=300)
+    assert "the largest batch is" in out  # the measured part of the decision
+    split = re.findall(
+        r"global batch (\d+) = (\d+) per replica x (\d+) replicas x "
+        r"(\d+) accumulation steps",
+        out,
+    )
+    assert len(split) == 1, out[-2000:]
+    total, per_replica, replicas, steps = map(int, split[0])
+    assert total == per_replica * replicas * steps == 2048
+    # The 12 MB budget holds less than the 1,024 each replica would need
+    # without accumulation (the exact micro-batch varies with the
+    # allocator's measurements).
+    assert replicas == 2 and steps >= 2
+    assert "optimizer: GradientAccumulationOptimizer" in out
+    assert "learning rate: 0.001 -> 0.008" in out  # x 2048 / 256
+    # 4096 samples / 2048 per update, 2 epochs, whatever the split.
+    assert _number(r"updates: (\d+)", out) == 4
+    assert _number(r"final learning rate: ([\d.e-]+)", out) == pytest.approx(
+        0.008
+    )
+
+
+def test_model_parallel(tmp_path):
+    out = _run_example("model_parallel.py", tmp_path, timeout=240)
+    stages = re.findall(
+        r"stage (\d) on /device:CPU:(\d): (\d+) layers, (\d+) parameters",
+        out,
+    )
+    # Two stages, one per logical device, holding every parameter between
+    # them; balanced by parameter bytes (neither holds 2/3 of the model).
+    assert [(s, d) for s, d, _, _ in stages] == [("0", "0"), ("1", "1")]
+    total = _number(r"parameters: (\d+)\n", out)
+    assert sum(int(p) for *_, p in stages) == total
+    assert all(int(p) < 2 * total / 3 for *_, p in stages)
+    assert "4 micro-batches per step" in out  # placement_report's table
+    assert _number(r"final validation accuracy: ([\d.]+)", out) > 0.3
+    assert (tmp_path / "model_parallel_run" / "placed.keras").exists()
+    assert _number(r"unplaced copy: (\d+) parameters", out) == total
+
+
 @pytest.mark.slow
 def test_multi_worker_launches_two_local_workers(tmp_path):
     out = _run_example(
