@@ -53,11 +53,14 @@ def _number(pattern: str, text: str) -> float:
 
 
 def test_every_example_is_tested():
-    scripts = sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".py"))
+    scripts = sorted(
+        f for f in os.listdir(EXAMPLES) if f.endswith((".py", ".sh"))
+    )
     assert scripts == [
         "batch_size_by_memory.py",
         "custom_training_loop.py",
         "fine_tune_keras_hub.py",
+        "launch_tf_config.sh",
         "mirrored_training.py",
         "model_parallel.py",
         "multi_worker.py",
@@ -190,6 +193,74 @@ def test_model_parallel(tmp_path):
     assert _number(r"final validation accuracy: ([\d.]+)", out) > 0.3
     assert (tmp_path / "model_parallel_run" / "placed.keras").exists()
     assert _number(r"unplaced copy: (\d+) parameters", out) == total
+
+
+def _launch(*args, env=None):
+    return subprocess.run(
+        ["bash", os.path.join(EXAMPLES, "launch_tf_config.sh"), *args],
+        env={**os.environ, "PYTHON": sys.executable, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _tf_configs(out: str) -> list[dict]:
+    return [json.loads(c) for c in re.findall(r"TF_CONFIG='(.*?)'", out)]
+
+
+def test_launch_tf_config_sh():
+    script = os.path.join(EXAMPLES, "launch_tf_config.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    # A local cluster, for real: each worker sees its own TF_CONFIG.
+    show = (
+        "import json, os; c = json.loads(os.environ['TF_CONFIG']); "
+        "print('task', c['task']['index'], 'of', c['cluster']['worker'])"
+    )
+    result = _launch("-n", "3", "--", sys.executable, "-c", show)
+    assert result.returncode == 0, result.stderr
+    hosts = [f"127.0.0.1:{23456 + i}" for i in range(3)]
+    assert sorted(re.findall(r"^task (\d) of (.*)$", result.stdout, re.M)) == [
+        (str(i), str(hosts)) for i in range(3)
+    ]
+    # A failing worker fails the launch.
+    fail = "import sys; sys.exit(3)"
+    assert _launch("--", sys.executable, "-c", fail).returncode == 3
+    # Slurm: task 3 of 2 nodes x 2 tasks (node[01-02]), without Slurm.
+    result = _launch(
+        "--dry-run",
+        "--",
+        "python",
+        "train.py",
+        env={
+            "SLURM_PROCID": "3",
+            "SLURM_NTASKS_PER_NODE": "2(x2)",
+            "SLURM_JOB_NODELIST": "node[01-02]",
+            "PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin",
+        },
+    )
+    assert result.returncode == 0, result.stderr
+    [config] = _tf_configs(result.stdout)
+    assert config == {
+        "cluster": {
+            "worker": [
+                "node01:23456",
+                "node01:23457",
+                "node02:23456",
+                "node02:23457",
+            ]
+        },
+        "task": {"type": "worker", "index": 3},
+    }
+    assert result.stdout.rstrip().endswith(" python train.py")
+    # A host list: this process is --index.
+    result = _launch("--hosts", "a,b", "--index", "1", "--dry-run")
+    [config] = _tf_configs(result.stdout)
+    assert config["cluster"]["worker"] == ["a:23456", "b:23456"]
+    assert config["task"]["index"] == 1
+    assert result.stdout.rstrip().endswith("multi_worker.py")
+    result = _launch("--hosts", "a,b", "--dry-run")
+    assert result.returncode == 2 and "--index" in result.stderr
 
 
 @pytest.mark.slow
