@@ -103,6 +103,7 @@ def test_custom_training_loop(tmp_path):
     assert _number(r"final validation accuracy: ([\d.]+)", out) > 0.5
 
 
+@pytest.mark.slow  # ~90 s on the loaded 2-core CI machine
 def test_fine_tune_keras_hub(tmp_path):
     if importlib.util.find_spec("keras_hub") is None:
         pytest.skip('keras-hub is not installed ("keras-mgpu[hub]")')
@@ -135,6 +136,7 @@ def test_tensorboard_monitoring(tmp_path):
     assert _number(r"CSV columns from the monitors: (\d+)", out) >= 5
 
 
+@pytest.mark.slow  # ~90 s on the loaded 2-core CI machine
 def test_preemption_resume(tmp_path):
     out = _run_example("preemption_resume.py", tmp_path, timeout=300)
     assert "[job] SIGKILL in epoch 2, step 10/16" in out
@@ -154,7 +156,13 @@ def test_preemption_resume(tmp_path):
 
 
 def test_batch_size_by_memory(tmp_path):
-    out = _run_example("batch_size_by_memory.py", tmp_path, timeout=300)
+    # CPU allocator statistics need oneDNN, whatever the suite runs with.
+    out = _run_example(
+        "batch_size_by_memory.py",
+        tmp_path,
+        timeout=300,
+        env={"TF_ENABLE_ONEDNN_OPTS": "1"},
+    )
     assert "the largest batch is" in out  # the measured part of the decision
     split = re.findall(
         r"global batch (\d+) = (\d+) per replica x (\d+) replicas x "
