@@ -7,21 +7,25 @@
 #
 #   1. Local cluster (default): N workers on 127.0.0.1, for trying things
 #      out or for one machine with several GPUs per process.
-#        examples/launch_tf_config.sh -n 2 -- python examples/multi_worker.py --quick
+#        examples/launch_tf_config.sh -n 2 -- \
+#            python examples/multi_worker.py --quick --backup-dir /tmp/run1
 #
 #   2. Slurm: under `srun` each task computes its own TF_CONFIG from
 #      Slurm's variables and runs the command (one task per node):
 #        srun --nodes=4 --ntasks-per-node=1 \
-#            examples/launch_tf_config.sh -- python train.py --backup-dir /shared/run1
+#            examples/launch_tf_config.sh -- \
+#            python train.py --backup-dir /shared/run1
 #      The mapping: the hosts are `scontrol show hostnames
 #      $SLURM_JOB_NODELIST` (node[01-04] -> node01 ... node04), each at
 #      port $PORT (default 23456); this task is worker $SLURM_PROCID. With
 #      several tasks per node, the port is $PORT + $SLURM_LOCALID and the
-#      worker list repeats each host $SLURM_NTASKS_PER_NODE times.
+#      worker list repeats each host $SLURM_NTASKS_PER_NODE times (Slurm's
+#      default block distribution numbers a node's tasks consecutively).
 #
 #   3. Any other scheduler or plain ssh: give the hosts and this process's
 #      index, on every host:
-#        examples/launch_tf_config.sh --hosts host1,host2 --index 0 -- python train.py
+#        examples/launch_tf_config.sh --hosts host1,host2 --index 0 -- \
+#            python train.py --backup-dir /shared/run1
 #
 # --dry-run prints each TF_CONFIG and command instead of running it
 # (nothing is started; try the Slurm mapping on a laptop with
@@ -34,7 +38,8 @@
 set -euo pipefail
 
 usage() {
-    sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'
+    # The comment block at the top of this file.
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
     exit "${1:-0}"
 }
 
@@ -56,7 +61,8 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 if [[ $# -eq 0 ]]; then
-    set -- "$python" "$(dirname "$0")/multi_worker.py"
+    echo "launch_tf_config.sh: no command (give it after --)" >&2
+    usage 2
 fi
 
 # Expands a Slurm node list ("node[01-03,07],gpu5") with scontrol where it

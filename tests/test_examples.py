@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -203,13 +204,25 @@ def test_model_parallel(tmp_path):
     assert _number(r"unplaced copy: (\d+) parameters", out) == total
 
 
-def _launch(*args, env=None):
-    return subprocess.run(
+def _launch(*args, env=None, timeout=60):
+    # A session of its own, so that on a time-out the workers the launcher
+    # started go with it (killing bash alone would orphan them).
+    process = subprocess.Popen(
         ["bash", os.path.join(EXAMPLES, "launch_tf_config.sh"), *args],
         env={**os.environ, "PYTHON": sys.executable, **(env or {})},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(
+        process.args, process.returncode, stdout, stderr
     )
 
 
@@ -262,13 +275,61 @@ def test_launch_tf_config_sh():
     }
     assert result.stdout.rstrip().endswith(" python train.py")
     # A host list: this process is --index.
-    result = _launch("--hosts", "a,b", "--index", "1", "--dry-run")
+    command = ("--", "python", "train.py")
+    result = _launch("--hosts", "a,b", "--index", "1", "--dry-run", *command)
     [config] = _tf_configs(result.stdout)
     assert config["cluster"]["worker"] == ["a:23456", "b:23456"]
     assert config["task"]["index"] == 1
-    assert result.stdout.rstrip().endswith("multi_worker.py")
-    result = _launch("--hosts", "a,b", "--dry-run")
+    result = _launch("--hosts", "a,b", "--dry-run", *command)
     assert result.returncode == 2 and "--index" in result.stderr
+    result = _launch("--dry-run")
+    assert result.returncode == 2 and "no command" in result.stderr
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free on 127.0.0.1 (for now)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+@pytest.mark.slow
+def test_launch_tf_config_sh_trains_the_multi_worker_example(tmp_path):
+    result = _launch(
+        "-n",
+        "2",
+        "--",
+        sys.executable,
+        os.path.join(EXAMPLES, "multi_worker.py"),
+        "--quick",
+        "--backup-dir",
+        str(tmp_path / "backup"),
+        env={
+            "PORT": str(_free_port_pair()),
+            "PYTHONPATH": REPO_ROOT,
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "TF_USE_LEGACY_KERAS": "0",
+            "CUDA_VISIBLE_DEVICES": "-1",
+        },
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert len(_tf_configs(result.stdout)) == 2
+    assert "task 0 of 2 workers (chief): 2 replicas" in result.stdout
+    assert "task 1 of 2 workers: 2 replicas" in result.stdout
+    finals = re.findall(
+        r"updates: 32, .* weights checksum: (\S+)", result.stdout
+    )
+    assert len(finals) == 2 and finals[0] == finals[1]  # in sync
 
 
 @pytest.mark.slow
