@@ -7,10 +7,12 @@ starts.
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -52,12 +54,20 @@ def _number(pattern: str, text: str) -> float:
 
 
 def test_every_example_is_tested():
-    scripts = sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".py"))
+    scripts = sorted(
+        f for f in os.listdir(EXAMPLES) if f.endswith((".py", ".sh"))
+    )
     assert scripts == [
+        "batch_size_by_memory.py",
         "custom_training_loop.py",
+        "fine_tune_keras_hub.py",
+        "launch_tf_config.sh",
         "mirrored_training.py",
+        "model_parallel.py",
         "multi_worker.py",
+        "preemption_resume.py",
         "ray_train.py",
+        "tensorboard_monitoring.py",
         "tfmot_pruning.py",
     ]
 
@@ -92,6 +102,234 @@ def test_custom_training_loop(tmp_path):
     # 32 micro-steps an epoch, 4 per update, 2 epochs.
     assert "micro-steps: 64, updates (optimizer.iterations): 16" in out
     assert _number(r"final validation accuracy: ([\d.]+)", out) > 0.5
+
+
+@pytest.mark.slow  # ~90 s on the loaded 2-core CI machine
+def test_fine_tune_keras_hub(tmp_path):
+    if importlib.util.find_spec("keras_hub") is None:
+        pytest.skip('keras-hub is not installed ("keras-mgpu[hub]")')
+    out = _run_example("fine_tune_keras_hub.py", tmp_path, timeout=300)
+    assert "2 replicas" in out
+    # Both encoder layers of the 2-layer BERT switched; the backbone is
+    # still a BertBackbone inside the user's classifier.
+    assert (
+        "recomputed layers: 2 (transformer_layer_0, transformer_layer_1) "
+        "in the BertBackbone of model 'classifier'"
+    ) in out
+    assert "global batch 64 = 8 per replica x 2 replicas x 4 steps" in out
+    # 512 samples / 16 per micro-step / 4 per update, 2 epochs.
+    assert _number(r"updates: (\d+)", out) == 16
+    first = _number(r"first epoch loss: ([\d.]+)", out)
+    final = _number(r"final loss: ([\d.]+)", out)
+    assert 0 < final < 1.0 and 0 < first < 1.0  # finite, near ln 2
+
+
+def test_tensorboard_monitoring(tmp_path):
+    out = _run_example("tensorboard_monitoring.py", tmp_path, timeout=180)
+    tags = set(re.findall(r"^  train: (\S+) = ", out, flags=re.M))
+    assert {"epoch_loss", "epoch_mem/host_rss_mb"} <= tags, tags
+    # No GPU here (CUDA_VISIBLE_DEVICES=-1): CPU utilization instead.
+    assert "epoch_cpu/util_mean_pct" in tags, tags
+    # Read back from the event files themselves, not from the logs.
+    assert glob.glob(
+        str(tmp_path / "tensorboard_monitoring_run/logs/train/events.*")
+    )
+    assert _number(r"CSV columns from the monitors: (\d+)", out) >= 5
+
+
+@pytest.mark.slow  # ~90 s on the loaded 2-core CI machine
+def test_preemption_resume(tmp_path):
+    out = _run_example("preemption_resume.py", tmp_path, timeout=300)
+    assert "[job] SIGKILL in epoch 2, step 10/16" in out
+    assert "start 1 exited with -9" in out
+    # The restart resumed after the epoch-1 backup, not from scratch...
+    assert re.findall(r"\[job\] first epoch run: (\d+)", out) == ["1", "2"]
+    assert "[reference] first epoch run: 1" in out
+    # ...and ended where the uninterrupted run did: 3 epochs of 16 steps,
+    # 2 per update, the accumulation window cut by the kill included.
+    assert "[job] finished, updates: 24" in out
+    assert "[reference] finished, updates: 24" in out
+    difference = _number(
+        r"max abs weight difference, resumed vs uninterrupted: ([\d.e-]+)",
+        out,
+    )
+    assert difference < 1e-6
+
+
+def test_batch_size_by_memory(tmp_path):
+    # CPU allocator statistics need oneDNN, whatever the suite runs with.
+    out = _run_example(
+        "batch_size_by_memory.py",
+        tmp_path,
+        timeout=300,
+        env={"TF_ENABLE_ONEDNN_OPTS": "1"},
+    )
+    assert "the largest batch is" in out  # the measured part of the decision
+    split = re.findall(
+        r"global batch (\d+) = (\d+) per replica x (\d+) replicas x "
+        r"(\d+) accumulation steps",
+        out,
+    )
+    assert len(split) == 1, out[-2000:]
+    total, per_replica, replicas, steps = map(int, split[0])
+    assert total == per_replica * replicas * steps == 2048
+    # The 12 MB budget holds less than the 1,024 each replica would need
+    # without accumulation (the exact micro-batch varies with the
+    # allocator's measurements).
+    assert replicas == 2 and steps >= 2
+    assert "optimizer: GradientAccumulationOptimizer" in out
+    assert "learning rate: 0.001 -> 0.008" in out  # x 2048 / 256
+    # 4096 samples / 2048 per update, 2 epochs, whatever the split.
+    assert _number(r"updates: (\d+)", out) == 4
+    assert _number(r"final learning rate: ([\d.e-]+)", out) == pytest.approx(
+        0.008
+    )
+
+
+def test_model_parallel(tmp_path):
+    out = _run_example("model_parallel.py", tmp_path, timeout=240)
+    stages = re.findall(
+        r"stage (\d) on /device:CPU:(\d): (\d+) layers, (\d+) parameters",
+        out,
+    )
+    # Two stages, one per logical device, holding every parameter between
+    # them; balanced by parameter bytes (neither holds 2/3 of the model).
+    assert [(s, d) for s, d, _, _ in stages] == [("0", "0"), ("1", "1")]
+    total = _number(r"parameters: (\d+)\n", out)
+    assert sum(int(p) for *_, p in stages) == total
+    assert all(int(p) < 2 * total / 3 for *_, p in stages)
+    assert "4 micro-batches per step" in out  # placement_report's table
+    assert _number(r"final validation accuracy: ([\d.]+)", out) > 0.3
+    assert (tmp_path / "model_parallel_run" / "placed.keras").exists()
+    assert _number(r"unplaced copy: (\d+) parameters", out) == total
+
+
+def _launch(*args, env=None, timeout=60):
+    # A session of its own, so that on a time-out the workers the launcher
+    # started go with it (killing bash alone would orphan them).
+    process = subprocess.Popen(
+        ["bash", os.path.join(EXAMPLES, "launch_tf_config.sh"), *args],
+        env={**os.environ, "PYTHON": sys.executable, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(
+        process.args, process.returncode, stdout, stderr
+    )
+
+
+def _tf_configs(out: str) -> list[dict]:
+    return [json.loads(c) for c in re.findall(r"TF_CONFIG='(.*?)'", out)]
+
+
+def test_launch_tf_config_sh():
+    script = os.path.join(EXAMPLES, "launch_tf_config.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    # A local cluster, for real: each worker sees its own TF_CONFIG.
+    show = (
+        "import json, os; c = json.loads(os.environ['TF_CONFIG']); "
+        "print('task', c['task']['index'], 'of', c['cluster']['worker'])"
+    )
+    result = _launch("-n", "3", "--", sys.executable, "-c", show)
+    assert result.returncode == 0, result.stderr
+    hosts = [f"127.0.0.1:{23456 + i}" for i in range(3)]
+    assert sorted(re.findall(r"^task (\d) of (.*)$", result.stdout, re.M)) == [
+        (str(i), str(hosts)) for i in range(3)
+    ]
+    # A failing worker fails the launch.
+    fail = "import sys; sys.exit(3)"
+    assert _launch("--", sys.executable, "-c", fail).returncode == 3
+    # Slurm: task 3 of 2 nodes x 2 tasks (node[01-02]), without Slurm.
+    result = _launch(
+        "--dry-run",
+        "--",
+        "python",
+        "train.py",
+        env={
+            "SLURM_PROCID": "3",
+            "SLURM_NTASKS_PER_NODE": "2(x2)",
+            "SLURM_JOB_NODELIST": "node[01-02]",
+            "PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin",
+        },
+    )
+    assert result.returncode == 0, result.stderr
+    [config] = _tf_configs(result.stdout)
+    assert config == {
+        "cluster": {
+            "worker": [
+                "node01:23456",
+                "node01:23457",
+                "node02:23456",
+                "node02:23457",
+            ]
+        },
+        "task": {"type": "worker", "index": 3},
+    }
+    assert result.stdout.rstrip().endswith(" python train.py")
+    # A host list: this process is --index.
+    command = ("--", "python", "train.py")
+    result = _launch("--hosts", "a,b", "--index", "1", "--dry-run", *command)
+    [config] = _tf_configs(result.stdout)
+    assert config["cluster"]["worker"] == ["a:23456", "b:23456"]
+    assert config["task"]["index"] == 1
+    result = _launch("--hosts", "a,b", "--dry-run", *command)
+    assert result.returncode == 2 and "--index" in result.stderr
+    result = _launch("--dry-run")
+    assert result.returncode == 2 and "no command" in result.stderr
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free on 127.0.0.1 (for now)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+@pytest.mark.slow
+def test_launch_tf_config_sh_trains_the_multi_worker_example(tmp_path):
+    result = _launch(
+        "-n",
+        "2",
+        "--",
+        sys.executable,
+        os.path.join(EXAMPLES, "multi_worker.py"),
+        "--quick",
+        "--backup-dir",
+        str(tmp_path / "backup"),
+        env={
+            "PORT": str(_free_port_pair()),
+            "PYTHONPATH": REPO_ROOT,
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "TF_USE_LEGACY_KERAS": "0",
+            "CUDA_VISIBLE_DEVICES": "-1",
+        },
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert len(_tf_configs(result.stdout)) == 2
+    assert "task 0 of 2 workers (chief): 2 replicas" in result.stdout
+    assert "task 1 of 2 workers: 2 replicas" in result.stdout
+    finals = re.findall(
+        r"updates: 32, .* weights checksum: (\S+)", result.stdout
+    )
+    assert len(finals) == 2 and finals[0] == finals[1]  # in sync
 
 
 @pytest.mark.slow
