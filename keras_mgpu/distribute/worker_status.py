@@ -30,18 +30,36 @@ from typing import Any
 
 _KEY_PREFIX = "keras_mgpu/worker_status"
 _TENSORFLOW_PATH = os.sep + "tensorflow" + os.sep
+# Python's own library (threading, multiprocessing, ...): skipped when
+# naming where a thread is.
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+
+
+def _is_stdlib(filename: str) -> bool:
+    return filename.startswith("<frozen") or (
+        filename.startswith(_STDLIB)
+        and "site-packages" not in filename
+        and "dist-packages" not in filename
+    )
 
 
 def describe_frame(thread_id: int) -> tuple[bool, str]:
-    """(inside TensorFlow?, where) for the thread's innermost Python frame.
+    """(inside TensorFlow?, where) for the thread's innermost frame outside
+    Python's standard library.
 
     A training thread blocked in a collective or computing a step sits in
-    TensorFlow's Python bindings; one stuck in a callback, a Python data
-    generator or user code sits elsewhere, and that place is named.
+    TensorFlow's Python bindings, or below them in the standard library
+    (an eager all-reduce waits on a `multiprocessing` thread pool); one
+    stuck in a callback, a Python data generator or user code sits
+    elsewhere, and that place is named.
     """
     frame = sys._current_frames().get(thread_id)
     if frame is None:
         return False, "thread ended"
+    innermost = frame
+    while frame is not None and _is_stdlib(frame.f_code.co_filename):
+        frame = frame.f_back
+    frame = frame or innermost
     code = frame.f_code
     inside = _TENSORFLOW_PATH in code.co_filename
     return inside, f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
@@ -179,6 +197,16 @@ def where_in_run(status: dict) -> str:
     return text
 
 
+def when_in_run(status: dict) -> str:
+    """ "in train step 12", "after predict step 1", "before the first
+    train step"."""
+    if status.get("in_step"):
+        return "in " + where_in_run(status)
+    if not status.get("step"):
+        return f"before the first {status.get('phase', 'train')} step"
+    return "after " + where_in_run(status)
+
+
 class PeerRecord:
     """One peer as this worker has seen it in this run.
 
@@ -268,12 +296,9 @@ class PeerRecord:
         # As the peer measured it (its clock), at its last heartbeat.
         phase_for = float(status.get("for", 0.0))
         if not status.get("in_tensorflow", False):
-            when = ("in " if status.get("in_step") else "after ") + (
-                where_in_run(status)
-            )
             return "suspect", (
                 f"{name}: stalled in Python for {phase_for:.0f} s at "
-                f"{status.get('where', '?')} ({when})"
+                f"{status.get('where', '?')} ({when_in_run(status)})"
             )
         if int(status.get("progress", 0)) < int(own.get("progress", 0)):
             return "suspect", (
@@ -292,14 +317,9 @@ def missing_workers_message(
     (`lines`: each peer's `PeerRecord.describe`)."""
     missing = [text for verdict, text in lines if verdict != "ok"]
     shown = missing or [text for _, text in lines]
-    where = (
-        f"in {where_in_run(own)}"
-        if own.get("in_step")
-        else f"after {where_in_run(own)}"
-    )
     head = (
         f"keras_mgpu WorkerWatchdog: {own.get('name', '?')} waited "
-        f"{waited:.0f} s {where} for "
+        f"{waited:.0f} s {when_in_run(own)} for "
         + ("missing worker(s)" if missing else "its peers (none is missing")
         + ("" if missing else "; a collective may be stuck)")
         + ": "

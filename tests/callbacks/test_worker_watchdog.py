@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import pytest
 from _training import mlp, regression_data
@@ -180,6 +181,41 @@ def test_message_names_only_the_missing_workers():
     nobody = worker_status.missing_workers_message(OWN, lines[:1], 31)
     assert "none is missing; a collective may be stuck" in nobody
     assert "worker:0 (h:1): in train step 12" in nobody
+
+
+def test_a_thread_waiting_in_the_standard_library_is_named_by_its_caller():
+    # An eager all-reduce waits on a multiprocessing pool: the place to
+    # name is the first frame outside Python's own library.
+    release = threading.Event()
+
+    def waits_for_peers():
+        release.wait(30)
+
+    thread = threading.Thread(target=waits_for_peers)
+    thread.start()
+    try:
+        for _ in range(100):
+            inside, where = worker_status.describe_frame(thread.ident)
+            if "waits_for_peers" in where:
+                break
+            time.sleep(0.01)
+        assert not inside
+        assert where.startswith(__file__)
+        assert where.endswith(" in waits_for_peers")
+    finally:
+        release.set()
+        thread.join()
+
+
+def test_when_in_run():
+    when = worker_status.when_in_run
+    assert when({"phase": "train", "step": 0}) == "before the first train step"
+    assert when({"phase": "predict", "step": 1, "in_step": True}) == (
+        "in predict step 1"
+    )
+    assert when({"phase": "validation", "step": 2, "epoch": 3}) == (
+        "after validation step 2 (epoch 3)"
+    )
 
 
 def test_the_timing_hook_goes_when_its_frame_is_gone():

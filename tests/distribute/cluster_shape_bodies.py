@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -130,6 +131,7 @@ def train_all_callbacks(position: int, backup_root: str) -> dict:
         GPULoadMonitor(interval=0.05, gather_workers=True),
         *_lr_callbacks(per_replica),
     ]
+    began = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         history = model.fit(
@@ -142,16 +144,18 @@ def train_all_callbacks(position: int, backup_root: str) -> dict:
             validation_data=(x[:12], y[:12]),
             callbacks=callbacks,
         )
+        fitted = time.monotonic()
         loss = model.evaluate(
             x, y, batch_size=GLOBAL_BATCH, verbose=0, callbacks=[watchdog]
         )
         predicted = model.predict(
             x[:12], batch_size=GLOBAL_BATCH, verbose=0, callbacks=[watchdog]
         )
+    ended = time.monotonic()
     last = {k: v[-1] for k, v in history.history.items()}
     return {
         "task": f"{task['type']}:{task['index']}",
-        "rank": info["rank"],
+        "rank": info.get("rank", info.get("task_id")),
         "replicas": int(strategy.num_replicas_in_sync),
         "log_keys": sorted(last),
         "finite_keys": sorted(k for k, v in last.items() if _finite(v)),
@@ -163,5 +167,6 @@ def train_all_callbacks(position: int, backup_root: str) -> dict:
         "straggler_keys": list(straggler.keys),
         "warnings": sorted({str(w.message)[:200] for w in caught}),
         "backup_left": os.path.exists(backup),
+        "seconds": {"fit": fitted - began, "evaluate_predict": ended - fitted},
         "reference": reference() if position == 0 else None,
     }
