@@ -25,6 +25,7 @@ import concurrent.futures
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -90,15 +91,12 @@ class WorkerStatus:
         self.run = run
         self.kv_timeout = kv_timeout
         self.read_timeout = read_timeout
-        # Separate pools: a read stuck on a missing key or a dead chief
-        # never delays this worker's own heartbeat.
-        self._writer = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="keras_mgpu-kv-write"
-        )
-        self._readers = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, min(len(self.peers), 16)),
-            thread_name_prefix="keras_mgpu-kv-read",
-        )
+        # Each call runs on a daemon thread of its own, at most one at a
+        # time per key: a read stuck on a missing key or a dead chief never
+        # delays this worker's heartbeat, and a call that never returns
+        # neither piles up nor holds the process at exit (a pool's
+        # threads would be joined there).
+        self._pending: dict[str, concurrent.futures.Future] = {}
 
     @property
     def name(self) -> str:
@@ -109,8 +107,27 @@ class WorkerStatus:
         return [r for r in range(len(self.names)) if r != self.rank]
 
     def close(self) -> None:
-        self._writer.shutdown(wait=False, cancel_futures=True)
-        self._readers.shutdown(wait=False, cancel_futures=True)
+        self._pending.clear()
+
+    def _start(self, slot: str, fn: Any, *args: Any) -> Any:
+        """Run `fn(*args)` on a daemon thread; a Future. Raises
+        `TimeoutError` while the previous call of `slot` still runs."""
+        previous = self._pending.get(slot)
+        if previous is not None and not previous.done():
+            raise TimeoutError(f"the previous {slot} has not returned")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to the caller
+                future.set_exception(exc)
+
+        self._pending[slot] = future
+        threading.Thread(target=run, name="keras_mgpu-kv", daemon=True).start()
+        return future
 
     # ------------------------------------------------------------------
     def key(self, rank: int) -> str:
@@ -132,7 +149,7 @@ class WorkerStatus:
                 pass
             ctx.set_config_key_value(key, value)
 
-        self._writer.submit(write).result(timeout=self.kv_timeout)
+        self._start("write", write).result(timeout=self.kv_timeout)
 
     def remove(self) -> None:
         """Delete this worker's status (the run ended normally)."""
@@ -140,8 +157,8 @@ class WorkerStatus:
 
         ctx = context.context()
         try:
-            self._writer.submit(
-                ctx.delete_config_key_value, self.key(self.rank)
+            self._start(
+                "delete", ctx.delete_config_key_value, self.key(self.rank)
             ).result(timeout=self.kv_timeout)
         except Exception:  # gone already, or the store is: nothing to do
             pass
@@ -153,14 +170,19 @@ class WorkerStatus:
 
         ctx = context.context()
         timeout_ms = max(int(self.read_timeout * 1000), 1)
-        futures = {
-            rank: self._readers.submit(
-                ctx.get_config_key_value, self.key(rank), timeout_ms
-            )
-            for rank in self.peers
-        }
-        deadline = time.monotonic() + self.kv_timeout
+        futures: dict[int, Any] = {}
         out: dict[int, tuple[dict | None, str | None]] = {}
+        for rank in self.peers:
+            try:
+                futures[rank] = self._start(
+                    f"read {rank}",
+                    ctx.get_config_key_value,
+                    self.key(rank),
+                    timeout_ms,
+                )
+            except TimeoutError as exc:
+                out[rank] = (None, _read_error(exc))
+        deadline = time.monotonic() + self.kv_timeout
         for rank, future in futures.items():
             try:
                 text = future.result(max(deadline - time.monotonic(), 0.01))
@@ -183,7 +205,7 @@ def _read_error(exc: BaseException) -> str | None:
         exc, (tf.errors.NotFoundError, tf.errors.DeadlineExceededError)
     ):
         return None
-    if isinstance(exc, concurrent.futures.TimeoutError):
+    if isinstance(exc, (TimeoutError, concurrent.futures.TimeoutError)):
         return "the coordination service did not answer"
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 

@@ -207,6 +207,23 @@ def test_a_thread_waiting_in_the_standard_library_is_named_by_its_caller():
         thread.join()
 
 
+def test_a_hung_store_call_blocks_neither_the_caller_nor_the_exit():
+    status = worker_status.WorkerStatus(0, ["chief:0 (h:1)", "w"], "run0")
+    release = threading.Event()
+    hung = status._start("write", release.wait, 30)
+    with pytest.raises(TimeoutError):
+        hung.result(timeout=0.05)
+    # The next heartbeat is skipped, not queued behind the hung one.
+    with pytest.raises(TimeoutError, match="previous write has not returned"):
+        status._start("write", int)
+    assert all(
+        t.daemon for t in threading.enumerate() if t.name == "keras_mgpu-kv"
+    )
+    release.set()
+    assert hung.result(timeout=5) is True
+    assert status._start("write", int).result(timeout=5) == 0
+
+
 def test_when_in_run():
     when = worker_status.when_in_run
     assert when({"phase": "train", "step": 0}) == "before the first train step"
