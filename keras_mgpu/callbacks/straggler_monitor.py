@@ -39,7 +39,11 @@ class StragglerMonitor(*callback_bases()):
     slowest worker, once per `fit`. It needs the train function traced
     after `on_train_begin` (Keras does so at the first step of each
     `compile`); a function traced earlier shows NaN waits, with a warning.
-    Outside multi-worker training it logs nothing (one warning).
+    Outside multi-worker training (and on an `evaluator` task) it logs
+    nothing (one warning). The timing hook it installs in TensorFlow goes
+    at `on_train_end`, and also when `fit` raises (Keras then calls no
+    `on_train_end`): the hook stops timing once the `fit` call has left
+    the stack, and is removed at its next use.
 
     Args:
         warn_ratio: float > 1 or None, the `step_time_ratio` that triggers
