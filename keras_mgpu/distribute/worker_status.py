@@ -30,7 +30,11 @@ import time
 from typing import Any
 
 _KEY_PREFIX = "keras_mgpu/worker_status"
-_TENSORFLOW_PATH = os.sep + "tensorflow" + os.sep
+# Where a thread is "inside TensorFlow": TensorFlow's own Python code, or
+# Keras's (both flavours) driving it; a thread elsewhere runs user code.
+_FRAMEWORK_PATHS = tuple(
+    os.sep + name + os.sep for name in ("tensorflow", "keras", "tf_keras")
+)
 # Python's own library (threading, multiprocessing, ...): skipped when
 # naming where a thread is.
 _STDLIB = os.path.dirname(os.__file__) + os.sep
@@ -49,9 +53,9 @@ def describe_frame(thread_id: int) -> tuple[bool, str]:
     Python's standard library.
 
     A training thread blocked in a collective or computing a step sits in
-    TensorFlow's Python bindings, or below them in the standard library
-    (an eager all-reduce waits on a `multiprocessing` thread pool); one
-    stuck in a callback, a Python data generator or user code sits
+    TensorFlow's (or Keras's) Python code, or below it in the standard
+    library (an eager all-reduce waits on a `multiprocessing` thread pool);
+    one stuck in a callback, a Python data generator or user code sits
     elsewhere, and that place is named.
     """
     frame = sys._current_frames().get(thread_id)
@@ -62,7 +66,7 @@ def describe_frame(thread_id: int) -> tuple[bool, str]:
         frame = frame.f_back
     frame = frame or innermost
     code = frame.f_code
-    inside = _TENSORFLOW_PATH in code.co_filename
+    inside = any(path in code.co_filename for path in _FRAMEWORK_PATHS)
     return inside, f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
 
 

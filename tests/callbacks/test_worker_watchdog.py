@@ -46,7 +46,17 @@ def test_nothing_runs_outside_multi_worker_training():
     model = mlp()
     model.compile(optimizer="sgd", loss="mse")
     before = set(threading.enumerate())
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[watchdog])
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=1,
+        verbose=0,
+        validation_data=(x, y),
+        callbacks=[watchdog],
+    )
+    model.evaluate(x, y, verbose=0, callbacks=[watchdog])
+    model.predict(x, verbose=0, callbacks=[watchdog])
     assert watchdog.report is None
     assert not [
         t

@@ -55,6 +55,7 @@ def test_a_slow_but_healthy_start_is_not_aborted(late_then_predict):
         for run in ("fit1", "fit2", "evaluate"):
             assert result[run]["error"] is None, (run, result[run]["error"])
         assert result["fit2"]["report"] is None
+        assert result["fit1"]["own_key_left"] is False  # cleaned at the end
     # worker:0 really waited for the late worker in its first step: longer
     # than a peer without status used to be given (5 s).
     assert early["fit2"]["first"] > bodies.LATE_BY - 1.0

@@ -128,6 +128,19 @@ def _setup():
     return model
 
 
+def _key_present(run: str, rank: int) -> bool:
+    """Whether this worker's status of `run` is still in the store."""
+    from tensorflow.python.eager import context
+
+    try:
+        context.context().get_config_key_value(
+            f"keras_mgpu/worker_status/{run}/{rank}", 200
+        )
+    except Exception:  # DeadlineExceeded: no such key
+        return False
+    return True
+
+
 def late_start_then_predict_stall(position: int) -> dict:
     """Worker-only. fit 1 (plain); fit 2 where worker:1 reaches training
     LATE_BY s after worker:0 (with SLOW_TIMEOUT > stale_after: no abort);
@@ -157,6 +170,7 @@ def late_start_then_predict_stall(position: int) -> dict:
         return {**out, "report": watchdog.report, "first": clock.first_step}
 
     results["fit1"] = fit([])
+    results["fit1"]["own_key_left"] = _key_present("run0", position)
     extra = [_fault("on_train_begin", 0, "late")] if late else []
     results["fit2"] = fit(extra)
     watchdog = WorkerWatchdog(TIMEOUT, HEARTBEAT)
