@@ -166,7 +166,13 @@ def train_all_callbacks(position: int, backup_root: str) -> dict:
         "watchdog_report": watchdog.report,
         "straggler_keys": list(straggler.keys),
         "warnings": sorted({str(w.message)[:200] for w in caught}),
-        "backup_left": os.path.exists(backup),
+        # Files, not the directory: tf_keras's own BackupAndRestore (which
+        # keras_mgpu's hands over to there) leaves it empty.
+        "backup_left": sorted(
+            os.path.relpath(os.path.join(root, name), backup)
+            for root, _, names in os.walk(backup)
+            for name in names
+        ),
         "seconds": {"fit": fitted - began, "evaluate_predict": ended - fitted},
         "reference": reference() if position == 0 else None,
     }

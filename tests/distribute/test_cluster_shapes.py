@@ -96,7 +96,7 @@ def test_weights_equal_across_workers_and_one_process(shape):
             max_abs_diff(result["weights"], shape["reference"]) < TOLERANCE
         ), result["task"]
         assert result["weights"] == members[0]["weights"]
-        assert not result["backup_left"]  # deleted at the end of fit
+        assert result["backup_left"] == []  # deleted at the end of fit
         assert result["loss"] == members[0]["loss"]
         assert result["predicted"] == members[0]["predicted"]
 
@@ -116,4 +116,4 @@ def test_an_evaluator_runs_alone_and_logs_its_own(shape):
     assert "cpu/evaluator_util_mean_pct" in evaluator["finite_keys"]
     assert evaluator["straggler_keys"] == []
     assert evaluator["watchdog_report"] is None
-    assert not evaluator["backup_left"]
+    assert evaluator["backup_left"] == []
