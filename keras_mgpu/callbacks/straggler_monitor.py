@@ -10,6 +10,7 @@ from typing import Any
 from keras_mgpu._flavour import callback_bases
 from keras_mgpu._validation import check_number
 from keras_mgpu.monitoring.notices import Notices
+from keras_mgpu.monitoring.sampler import training_frame
 
 GROUP = "workers"
 
@@ -38,7 +39,11 @@ class StragglerMonitor(*callback_bases()):
     slowest worker, once per `fit`. It needs the train function traced
     after `on_train_begin` (Keras does so at the first step of each
     `compile`); a function traced earlier shows NaN waits, with a warning.
-    Outside multi-worker training it logs nothing (one warning).
+    Outside multi-worker training (and on an `evaluator` task) it logs
+    nothing (one warning). The timing hook it installs in TensorFlow goes
+    at `on_train_end`, and also when `fit` raises (Keras then calls no
+    `on_train_end`): the hook stops timing once the `fit` call has left
+    the stack, and is removed at its next use.
 
     Args:
         warn_ratio: float > 1 or None, the `step_time_ratio` that triggers
@@ -65,7 +70,7 @@ class StragglerMonitor(*callback_bases()):
         )
         self._notices = Notices()
         self._strategy: Any = None
-        self._installed = False
+        self._token: int | None = None
         self.keys: list[str] = []
 
     # ------------------------------------------------------------------
@@ -84,8 +89,10 @@ class StragglerMonitor(*callback_bases()):
                 "several workers; it logs nothing here.",
             )
             return
-        self._installed = collective_timing.install()
-        if not self._installed:
+        # Watching the `fit` frame drops the hook by itself when `fit`
+        # raises (Keras then calls no on_train_end).
+        self._token = collective_timing.install(watch_frame=training_frame())
+        if self._token is None:
             self._notices.warn(
                 "no-timer",
                 "StragglerMonitor: this TensorFlow has no "
@@ -124,11 +131,11 @@ class StragglerMonitor(*callback_bases()):
 
     # ------------------------------------------------------------------
     def _release(self) -> None:
-        if self._installed:
+        if self._token is not None:
             from keras_mgpu.distribute import collective_timing
 
-            collective_timing.uninstall()
-            self._installed = False
+            collective_timing.uninstall(self._token)
+            self._token = None
         self._strategy = None
 
     def _own_figures(self) -> dict[str, float]:

@@ -3,6 +3,7 @@ bounded time, with an error that names it."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any
@@ -16,53 +17,65 @@ from keras_mgpu.monitoring.sampler import _frame_on_stack, training_frame
 class WorkerWatchdog(*callback_bases()):
     """Fail every surviving worker, within `timeout` seconds, when a worker
     of a `MultiWorkerMirroredStrategy` cluster dies or stalls, with an error
-    that names the missing worker and what it was doing.
+    that names the missing task and what it was doing.
 
     In synchronous multi-worker training a worker that is killed, frozen or
     stuck (in a data generator, a callback, a deadlock) leaves the others
     waiting in their next collective, possibly forever: TensorFlow detects a
-    dead process after a while, with an error that names nobody, and never
-    detects a live but stalled one. This callback runs a small thread on
-    every worker that
+    dead process after a while, with an error that names a task, and never
+    detects a live but stalled one. This callback watches `fit` (its
+    validation passes included), and `evaluate` and `predict` when passed
+    to them. On every worker it runs two small threads:
 
-    - publishes, every `heartbeat_interval` seconds, what this worker does
-      (the step it is in, whether its training thread is inside TensorFlow
-      or in Python, and where) to TensorFlow's coordination service, the
-      key-value store every `MultiWorkerMirroredStrategy` worker already
-      shares;
-    - when its own training thread has been inside one step for `timeout`
-      seconds, or a peer's heartbeat stopped for `3 x heartbeat_interval`
-      (at least 5 s) while this worker waits, reads its peers' status and
-      aborts this worker's collectives with a message such as "worker 1
-      (host:port): stalled in Python for 31 s at data.py:40 in
-      __getitem__ (step 12)". `fit` then raises
-      `tf.errors.UnavailableError` carrying that message, so the launcher
-      (Slurm, Kubernetes, Ray) restarts the job, and `BackupAndRestore`
-      resumes it.
+    - a heartbeat, which publishes every `heartbeat_interval` seconds what
+      this worker does (the train, validation, evaluate or predict step it
+      is in, whether its thread is inside TensorFlow or in Python, and
+      where) to TensorFlow's coordination service, the key-value store
+      every `MultiWorkerMirroredStrategy` worker already shares;
+    - a checker, which reads the peers' status while this worker is blocked
+      in TensorFlow (a step, or a collective in a callback) and aborts this
+      worker's collectives when a peer is gone: its heartbeat stopped for
+      `stale_after` seconds (`3 x heartbeat_interval`, at least 5 s, at
+      most `timeout`), it left the run (its call raised, or it aborted), or
+      it never showed up within `timeout` seconds of this worker's start;
+      or when this worker has waited `timeout` seconds. The message reads,
+      e.g., "keras_mgpu WorkerWatchdog: chief:0 (host:port) waited 31 s in
+      validation step 3 (epoch 1) for missing worker(s): worker:1
+      (host:port): stalled in Python for 31 s at data.py:40 in __getitem__
+      (after validation step 2 (epoch 1))". `fit` then raises
+      `tf.errors.UnavailableError` carrying it, so the launcher (Slurm,
+      Kubernetes, Ray) restarts the job, and `BackupAndRestore` resumes it.
 
-    A killed worker may also be caught first by TensorFlow's own peer
-    health check (`MultiWorkerMirroredStrategy` pings every peer every 30 s):
-    the error then reads "cluster check alive failed,
-    /job:worker/replica:0/task:1 is down", naming the task as well. A
-    stalled worker answers those pings: only this callback names it.
+    A worker slower to start than its peers (a long dataset build, a
+    callback listed before this one) is waited for up to `timeout` seconds.
+    Reading peers never delays this worker's own heartbeat. Each run (each
+    `fit`, `evaluate` or `predict` call) uses keys of its own, deleted when
+    it ends, so an earlier run's status is never read as live; the n-th run
+    of every worker is the same run (the workers run the same program).
+    Tasks are named as in `TF_CONFIG` ("chief:0", "worker:1") with their
+    address. A killed worker may also be caught first by TensorFlow's
+    coordination service, whose error names the task too
+    ("/job:worker/replica:0/task:1"). On an `evaluator` task, outside
+    multi-worker training, or on one machine it does nothing.
 
-    Outside multi-worker training it does nothing. It reads no tensor and
-    adds no collective: its cost is one key-value write per heartbeat and a
-    Python frame lookup. `timeout` must exceed the longest legitimate step
-    (including the first one, which traces the graph, and a validation
-    pass).
+    It reads no tensor and adds no collective: its cost is one key-value
+    write per heartbeat, and reads of every peer only while this worker
+    waits. `timeout` must exceed the longest legitimate step (including
+    the first one, which traces the graph) and any TensorFlow work a
+    callback does between steps.
 
     Args:
         timeout: float > 0, seconds a step may wait before the peers are
-            examined and training is aborted. Defaults to 300.
-        heartbeat_interval: float > 0, seconds between status updates.
-            Defaults to 1.0.
+            examined and training is aborted, and how late a peer may
+            start. Defaults to 300.
+        heartbeat_interval: float > 0, smaller than `timeout`, seconds
+            between status updates. Defaults to 1.0.
 
     Example:
 
     ```python
     keras_mgpu.distribute.enable_multi_worker_fit()
-    model.fit(dataset, epochs=10, callbacks=[
+    model.fit(dataset, epochs=10, validation_data=val, callbacks=[
         keras_mgpu.callbacks.WorkerWatchdog(timeout=120),
         keras_mgpu.callbacks.BackupAndRestore("/shared/backup"),
     ])
@@ -88,133 +101,272 @@ class WorkerWatchdog(*callback_bases()):
                 f"`timeout`. Received: heartbeat_interval={heartbeat_interval}"
                 f", timeout={timeout}"
             )
-        self.stale_after = max(3.0 * self.heartbeat_interval, 5.0)
+        self.stale_after = min(
+            max(3.0 * self.heartbeat_interval, 5.0), self.timeout
+        )
         self.report: str | None = None  # the message of the last abort
         self._notices = Notices()
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._status: Any = None
-        self._step = 0
-        self._in_step = False
-        self._phase_since = time.time()
+        self._run: _Run | None = None
+        self._state = _initial_state()
 
     # ------------------------------------------------------------------
+    # The calls Keras makes: `fit` (validation included), or `evaluate` /
+    # `predict` called directly, each a run of its own.
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self.stop()
-        from keras_mgpu.distribute.strategy import is_multi_worker, worker_info
-        from keras_mgpu.distribute.worker_status import WorkerStatus
-
-        strategy = getattr(self.model, "distribute_strategy", None)
-        if strategy is None or not is_multi_worker(strategy):
-            return
-        info = worker_info(strategy)
-        task = int(info["rank"] or 0)
-        self._status = WorkerStatus(
-            task, int(info["num_workers"]), _address(strategy, task)
-        )
-        self.report = None
-        self._step = 0
-        self._in_step = False
-        self._phase_since = time.time()
-        self._stop = threading.Event()
-        owner = (threading.get_ident(), training_frame())
-        self._publish(owner[0])  # peers can read us from the start
-        self._thread = threading.Thread(
-            target=self._run,
-            args=(self._stop, owner),
-            name="keras_mgpu-watchdog",
-            daemon=True,
-        )
-        self._thread.start()
-
-    def on_train_batch_begin(self, batch: int, logs: dict | None = None):
-        self._step += 1
-        self._in_step, self._phase_since = True, time.time()
-
-    def on_train_batch_end(self, batch: int, logs: dict | None = None):
-        self._in_step, self._phase_since = False, time.time()
+        self._begin("fit")
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self.stop()
 
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._state["epoch"] = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None):
+        self._state["train_steps"] += 1
+        self._step_begin("train", self._state["train_steps"])
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None):
+        self._step_end()
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        self._pass_begin("evaluate", "validation")
+
+    def on_test_batch_begin(self, batch: int, logs: dict | None = None):
+        self._step_begin(self._state["pass"], batch + 1)
+
+    def on_test_batch_end(self, batch: int, logs: dict | None = None):
+        self._step_end()
+
+    def on_test_end(self, logs: dict | None = None) -> None:
+        self._pass_end()
+
+    def on_predict_begin(self, logs: dict | None = None) -> None:
+        self._pass_begin("predict", "predict")
+
+    def on_predict_batch_begin(self, batch: int, logs: dict | None = None):
+        self._step_begin("predict", batch + 1)
+
+    def on_predict_batch_end(self, batch: int, logs: dict | None = None):
+        self._step_end()
+
+    def on_predict_end(self, logs: dict | None = None) -> None:
+        self._pass_end()
+
     def stop(self) -> None:
-        """Stop the watchdog thread (idempotent)."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=self.heartbeat_interval + 6.0)
-        self._thread = None
-        if self._status is not None:
-            self._status.close()
-            self._status = None
+        """End the current run (idempotent): stop the threads and delete
+        this worker's status."""
+        run, self._run = self._run, None
+        if run is not None:
+            run.finish(remove=True)
 
     # ------------------------------------------------------------------
-    def _own_status(self, thread_id: int) -> dict:
+    def _begin(self, kind: str) -> None:
+        from keras_mgpu.distribute.strategy import (
+            is_multi_worker,
+            member_names,
+            worker_info,
+        )
+        from keras_mgpu.distribute.worker_status import WorkerStatus
+
+        self.stop()
+        self._state = _initial_state()
+        self._state["phase"] = self._state["pass"] = (
+            "train" if kind == "fit" else kind
+        )
+        strategy = getattr(self.model, "distribute_strategy", None)
+        if strategy is None or not is_multi_worker(strategy):
+            return
+        info = worker_info(strategy)
+        # The n-th watched run of each process is the same run on every
+        # worker (they run the same program): its keys are apart from any
+        # earlier run's, whose statuses may linger.
+        status = WorkerStatus(
+            int(info["rank"]), member_names(strategy), f"run{next(_RUNS)}"
+        )
+        self.report = None
+        self._run = _Run(
+            self, kind, status, threading.get_ident(), training_frame()
+        )
+
+    def _pass_begin(self, kind: str, within_fit: str) -> None:
+        if self._run is not None and self._run.kind == "fit":
+            self._state["pass"] = within_fit  # validation inside `fit`
+            self._state["phase"] = within_fit
+            self._state["since"] = time.monotonic()
+        else:
+            self._begin(kind)
+
+    def _pass_end(self) -> None:
+        if self._run is not None and self._run.kind == "fit":
+            self._state["pass"] = self._state["phase"] = "train"
+            self._state["step"] = self._state["train_steps"]
+            self._state["since"] = time.monotonic()
+        else:
+            self.stop()
+
+    def _step_begin(self, phase: str, step: int) -> None:
+        state = self._state
+        state["progress"] += 1
+        state["phase"], state["step"] = phase, step
+        state["in_step"], state["since"] = True, time.monotonic()
+
+    def _step_end(self) -> None:
+        self._state["in_step"] = False
+        self._state["since"] = time.monotonic()
+
+
+_RUNS = itertools.count()
+
+
+def _initial_state() -> dict:
+    return {
+        "phase": "train",
+        "pass": "train",
+        "step": 0,
+        "train_steps": 0,
+        "epoch": 0,
+        "progress": 0,
+        "in_step": False,
+        "since": time.monotonic(),
+    }
+
+
+class _Run:
+    """One watched run: a heartbeat thread that publishes this worker's
+    status, and a checker thread that reads the peers' while this worker
+    waits, and aborts its collectives when one is missing.
+
+    Two threads: reading peers (up to a second per missing key, longer when
+    the chief's store is gone) never delays this worker's heartbeat.
+    """
+
+    def __init__(
+        self,
+        owner: WorkerWatchdog,
+        kind: str,
+        status: Any,
+        thread_id: int,
+        frame: Any,
+    ) -> None:
+        self.kind = kind
+        self.status = status
+        self._owner = owner
+        self._thread_id = thread_id
+        self._frame = frame  # the `fit` (evaluate, predict) call's frame
+        self._started = time.monotonic()
+        self._stop = threading.Event()
+        self._ended: str | None = None
+        self._threads = [
+            threading.Thread(target=target, name=name, daemon=True)
+            for target, name in (
+                (self._heartbeats, "keras_mgpu-watchdog-heartbeat"),
+                (self._check, "keras_mgpu-watchdog"),
+            )
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def finish(self, remove: bool) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=self.status.kv_timeout + 2.0)
+        if remove:
+            self.status.remove()
+        self.status.close()
+        self._frame = None
+
+    def _call_ended(self) -> bool:
+        """Whether the watched call has left its thread (it raised: Keras
+        then calls no on_train_end / on_test_end / on_predict_end)."""
+        frame = self._frame
+        return frame is not None and not _frame_on_stack(self._thread_id, frame)
+
+    def own_status(self, seq: int) -> dict:
         from keras_mgpu.distribute.worker_status import describe_frame
 
-        in_tensorflow, where = describe_frame(thread_id)
-        in_step = self._in_step
+        state = dict(self._owner._state)
+        in_tensorflow, where = describe_frame(self._thread_id)
         return {
-            "task_id": self._status.task_id,
-            "step": self._step,
-            "in_step": in_step,
-            "in_tensorflow": in_tensorflow and in_step,
+            "name": self.status.name,
+            "seq": seq,
+            "phase": state["phase"],
+            "step": state["step"],
+            "epoch": state["epoch"],
+            "progress": state["progress"],
+            "in_step": state["in_step"],
+            "in_tensorflow": in_tensorflow,
             "where": where,
-            "since": self._phase_since,
-            "beat": time.time(),
+            "for": time.monotonic() - state["since"],
+            "since": state["since"],
+            "ended": self._ended,
         }
 
-    def _publish(self, thread_id: int) -> dict:
-        own = self._own_status(thread_id)
+    def _publish(self, seq: int) -> None:
         try:
-            self._status.publish(own)
+            self.status.publish(self.own_status(seq))
         except Exception:  # the chief's store is gone: peers notice us
             pass
-        return own
 
-    def _run(self, stop: threading.Event, owner: tuple) -> None:
-        thread_id, frame = owner
-        try:
-            while not stop.wait(self.heartbeat_interval):
-                if frame is not None and not _frame_on_stack(thread_id, frame):
-                    return  # fit raised: Keras calls no on_train_end
-                own = self._publish(thread_id)
-                if own["in_step"] and self._should_abort(own):
-                    return
-        finally:
-            frame = owner = None
+    def _heartbeats(self) -> None:
+        seq = 0
+        while True:
+            if self._ended is None and self._call_ended():
+                self._ended = f"its {self.kind} call raised"
+            seq += 1
+            self._publish(seq)  # the first one at once: peers see us start
+            if self._ended is not None:
+                return  # the last status stays: peers learn why we left
+            if self._stop.wait(self._owner.heartbeat_interval):
+                return
 
-    def _should_abort(self, own: dict) -> bool:
-        """Examine the peers once this step has lasted `stale_after`; abort
-        this worker's collectives if one is gone, or the wait passed
-        `timeout`."""
+    def _check(self) -> None:
+        from keras_mgpu.distribute.worker_status import PeerRecord
+
+        owner = self._owner
+        records = {
+            rank: PeerRecord(self.status.names[rank])
+            for rank in self.status.peers
+        }
+        interval = owner.heartbeat_interval
+        while not self._stop.wait(interval):
+            if self._ended is not None or self._call_ended():
+                return
+            own = self.own_status(0)
+            waited = float(own["for"])
+            # Only a worker blocked in TensorFlow (a step, or a collective
+            # in a callback) waits for its peers; one in its own Python
+            # code is the slow one, and the peers name it.
+            blocked = own["in_step"] or own["in_tensorflow"]
+            if not blocked or waited < 2 * interval:
+                continue
+            for rank, (status, error) in self.status.read_peers().items():
+                records[rank].observe(status, error, time.monotonic())
+            now = time.monotonic()
+            lines = [
+                record.describe(
+                    own,
+                    now,
+                    now - self._started,
+                    owner.stale_after,
+                    owner.timeout,
+                )
+                for record in records.values()
+            ]
+            gone = any(kind == "gone" for kind, _ in lines)
+            if not gone and waited < owner.timeout:
+                continue
+            self._abort(own, lines, waited)
+            return
+
+    def _abort(self, own: dict, lines: list, waited: float) -> None:
         from keras_mgpu.distribute.worker_status import (
             abort_collectives,
             missing_workers_message,
-            peer_is_gone,
         )
 
-        waited = time.time() - float(own["since"])
-        if waited < self.stale_after:
-            return False
-        peers = {
-            task: self._status.read(task)
-            for task in range(self._status.num_workers)
-            if task != self._status.task_id
-        }
-        gone = any(peer_is_gone(s, self.stale_after) for s in peers.values())
-        if waited < self.timeout and not gone:
-            return False
-        self.report = missing_workers_message(
-            own, peers, waited, self.stale_after
-        )
-        abort_collectives(self.report)
-        return True
-
-
-def _address(strategy: Any, rank: int) -> str:
-    """This worker's task and address ("chief:0 (host:port)")."""
-    from keras_mgpu.distribute.strategy import member_names
-
-    names = member_names(strategy)
-    return names[rank] if rank < len(names) else ""
+        report = missing_workers_message(own, lines, waited)
+        self._owner.report = report
+        abort_collectives(report)
+        # Peers waiting for us learn at once that we left, and why.
+        self._ended = f"it aborted its collectives after waiting {waited:.0f} s"

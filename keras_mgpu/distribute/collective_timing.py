@@ -20,12 +20,19 @@ input and output ready, which was not verified against device timelines.
 
 from __future__ import annotations
 
+import itertools
+import sys
 import threading
+import types
 from typing import Any
 
 _LOCK = threading.Lock()
 _INSTALLED: dict[str, Any] = {}
-_USERS = 0
+# Each user of the hook: token -> (thread id, id of its frame, frame code)
+# or None (no frame to watch). Ids, not frames: a frame kept alive would
+# keep the whole `fit` call (model, data) alive after it raised.
+_USERS: dict[int, tuple[int, int, Any] | None] = {}
+_TOKENS = itertools.count(1)
 _WAIT = None  # float64 seconds
 _COUNT = None  # collectives timed
 
@@ -53,6 +60,8 @@ def _timed(original: Any) -> Any:
     import tensorflow as tf
 
     def launch(self, input_tensor, *args, **kwargs):
+        if not _live():  # every user left without uninstalling (it raised)
+            return original(self, input_tensor, *args, **kwargs)
         with tf.device("/cpu:0"):
             with tf.control_dependencies([input_tensor]):
                 start = tf.timestamp()
@@ -71,15 +80,25 @@ def _timed(original: Any) -> Any:
     return launch
 
 
-def install() -> bool:
-    """Time every collective traced from now on (reference counted)."""
-    global _USERS, _WAIT, _COUNT
+def install(watch_frame: types.FrameType | None = None) -> int | None:
+    """Time every collective traced from now on.
+
+    Returns a token for `uninstall`, or None when this TensorFlow has no
+    hook. The hook stays while a user holds a token. `watch_frame` (the
+    frame of the `fit` call, `monitoring.sampler.training_frame()`) ends
+    the user's hold by itself once that frame has left its thread's stack:
+    Keras calls no `on_train_end` when `fit` raises, so without it the hook
+    would outlive the run. That is checked whenever the hook is used (a
+    collective traced), installed or read.
+    """
+    global _WAIT, _COUNT
     launcher = _launcher_class()
     if launcher is None:
-        return False
+        return None
     import tensorflow as tf
 
     with _LOCK:
+        _prune()
         if _WAIT is None:
             # Local, outside any strategy: one per process.
             with tf.init_scope(), tf.device("/cpu:0"):
@@ -89,27 +108,65 @@ def install() -> bool:
                 _COUNT = tf.Variable(
                     0, dtype=tf.int64, trainable=False, name="count"
                 )
-        if _USERS == 0:
+        if not _INSTALLED:
             for name in ("all_reduce", "_all_gather"):
                 original = getattr(launcher, name)
                 _INSTALLED[name] = original
                 setattr(launcher, name, _timed(original))
-        _USERS += 1
-    return True
+        token = next(_TOKENS)
+        _USERS[token] = (
+            None
+            if watch_frame is None
+            else (
+                threading.get_ident(),
+                id(watch_frame),
+                watch_frame.f_code,
+            )
+        )
+    return token
 
 
-def uninstall() -> None:
-    """Undo one `install()`; the hook goes when the last user leaves."""
-    global _USERS
+def uninstall(token: int | None) -> None:
+    """Drop the hold of `token` (from `install`; None and tokens already
+    dropped are ignored); the hook goes when no user is left."""
     with _LOCK:
-        if _USERS == 0:
-            return
-        _USERS -= 1
-        if _USERS == 0:
-            launcher = _launcher_class()
-            for name, original in _INSTALLED.items():
-                setattr(launcher, name, original)
-            _INSTALLED.clear()
+        _USERS.pop(token, None)
+        _prune()
+
+
+def installed() -> bool:
+    """Whether the hook is in place (after dropping users that are gone)."""
+    with _LOCK:
+        _prune()
+        return bool(_INSTALLED)
+
+
+def _frame_alive(thread_id: int, frame_id: int, code: Any) -> bool:
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if id(frame) == frame_id and frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _prune() -> None:
+    """Forget users whose frame is gone; restore TensorFlow's launcher when
+    none is left. Call with `_LOCK` held."""
+    for token, owner in list(_USERS.items()):
+        if owner is not None and not _frame_alive(*owner):
+            del _USERS[token]
+    if not _USERS and _INSTALLED:
+        launcher = _launcher_class()
+        for name, original in _INSTALLED.items():
+            setattr(launcher, name, original)
+        _INSTALLED.clear()
+
+
+def _live() -> bool:
+    with _LOCK:
+        _prune()
+        return bool(_USERS)
 
 
 def read() -> tuple[float, int]:

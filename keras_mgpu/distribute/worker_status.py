@@ -2,16 +2,21 @@
 coordination service, and the message that names a missing worker.
 
 `MultiWorkerMirroredStrategy` starts TensorFlow's coordination service (a
-key-value store on the chief) in every worker. A `WorkerStatus` publishes
-this worker's phase there (`step` n inside TensorFlow, or in Python at a
-file and line) with a wall-clock heartbeat, reads its peers', and describes
-which of them are missing when this worker has waited too long.
+key-value store on the chief) in every collective member. A `WorkerStatus`
+publishes this worker's phase there (a train, validation, evaluate or
+predict step, inside TensorFlow or in Python at a file and line) with a
+heartbeat counter, and reads its peers'. Keys are namespaced by run (each
+watched `fit`, `evaluate` or `predict` call), so a status left by an earlier
+run is never read as live. `PeerRecord` follows one peer's heartbeats by
+this worker's own clock (hosts' clocks may differ) and says whether it is
+missing.
 
 The key-value calls and collective abort are TensorFlow's private eager
 context methods (TF 2.16-2.21): `set_config_key_value`,
 `get_config_key_value`, `delete_config_key_value`, `abort_collective_ops`.
-Every call runs with a time limit, so a dead chief (which hosts the store)
-cannot hang the caller.
+Every call runs on a pool thread with a time limit, so a dead chief (which
+hosts the store) cannot hang the caller; writes and reads have separate
+pools, so reading peers never delays this worker's own heartbeat.
 """
 
 from __future__ import annotations
@@ -19,28 +24,49 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import socket
 import sys
 import threading
 import time
 from typing import Any
 
 _KEY_PREFIX = "keras_mgpu/worker_status"
-_TENSORFLOW_PATH = os.sep + "tensorflow" + os.sep
+# Where a thread is "inside TensorFlow": TensorFlow's own Python code, or
+# Keras's (both flavours) driving it; a thread elsewhere runs user code.
+_FRAMEWORK_PATHS = tuple(
+    os.sep + name + os.sep for name in ("tensorflow", "keras", "tf_keras")
+)
+# Python's own library (threading, multiprocessing, ...): skipped when
+# naming where a thread is.
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+
+
+def _is_stdlib(filename: str) -> bool:
+    return filename.startswith("<frozen") or (
+        filename.startswith(_STDLIB)
+        and "site-packages" not in filename
+        and "dist-packages" not in filename
+    )
 
 
 def describe_frame(thread_id: int) -> tuple[bool, str]:
-    """(inside TensorFlow?, where) for the thread's innermost Python frame.
+    """(inside TensorFlow?, where) for the thread's innermost frame outside
+    Python's standard library.
 
     A training thread blocked in a collective or computing a step sits in
-    TensorFlow's Python bindings; one stuck in a callback, a Python data
-    generator or user code sits elsewhere, and that place is named.
+    TensorFlow's (or Keras's) Python code, or below it in the standard
+    library (an eager all-reduce waits on a `multiprocessing` thread pool);
+    one stuck in a callback, a Python data generator or user code sits
+    elsewhere, and that place is named.
     """
     frame = sys._current_frames().get(thread_id)
     if frame is None:
         return False, "thread ended"
+    innermost = frame
+    while frame is not None and _is_stdlib(frame.f_code.co_filename):
+        frame = frame.f_back
+    frame = frame or innermost
     code = frame.f_code
-    inside = _TENSORFLOW_PATH in code.co_filename
+    inside = any(path in code.co_filename for path in _FRAMEWORK_PATHS)
     return inside, f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
 
 
@@ -48,49 +74,77 @@ class WorkerStatus:
     """This worker's status in the coordination service, and its peers'.
 
     Args:
-        task_id: int, this worker's index.
-        num_workers: int, workers in the cluster.
-        address: str, this worker's address (for messages).
+        rank: int, this worker's rank (`worker_info(strategy)["rank"]`).
+        names: list of str, every member's name by rank
+            (`member_names(strategy)`: "chief:0 (host:port)", ...).
+        run: str, the run's namespace, the same on every worker.
         kv_timeout: float, seconds any key-value call may take.
+        read_timeout: float, seconds a read waits for a key not (yet) set.
     """
 
     def __init__(
         self,
-        task_id: int,
-        num_workers: int,
-        address: str = "",
+        rank: int,
+        names: list[str],
+        run: str,
         kv_timeout: float = 5.0,
+        read_timeout: float = 1.0,
     ) -> None:
-        self.task_id = task_id
-        self.num_workers = num_workers
-        self.address = address or socket.gethostname()
+        self.rank = rank
+        self.names = list(names)
+        self.run = run
         self.kv_timeout = kv_timeout
-        # One thread runs every key-value call, so a call stuck on a dead
-        # chief never blocks the caller beyond `kv_timeout`.
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="keras_mgpu-kv"
-        )
-        self._lock = threading.Lock()
+        self.read_timeout = read_timeout
+        # Each call runs on a daemon thread of its own, at most one at a
+        # time per key: a read stuck on a missing key or a dead chief never
+        # delays this worker's heartbeat, and a call that never returns
+        # neither piles up nor holds the process at exit (a pool's
+        # threads would be joined there).
+        self._pending: dict[str, concurrent.futures.Future] = {}
+
+    @property
+    def name(self) -> str:
+        return self.names[self.rank]
+
+    @property
+    def peers(self) -> list[int]:
+        return [r for r in range(len(self.names)) if r != self.rank]
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._pending.clear()
+
+    def _start(self, slot: str, fn: Any, *args: Any) -> Any:
+        """Run `fn(*args)` on a daemon thread; a Future. Raises
+        `TimeoutError` while the previous call of `slot` still runs."""
+        previous = self._pending.get(slot)
+        if previous is not None and not previous.done():
+            raise TimeoutError(f"the previous {slot} has not returned")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to the caller
+                future.set_exception(exc)
+
+        self._pending[slot] = future
+        threading.Thread(target=run, name="keras_mgpu-kv", daemon=True).start()
+        return future
 
     # ------------------------------------------------------------------
-    def _call(self, function: Any, *args: Any) -> Any:
-        future = self._executor.submit(function, *args)
-        return future.result(timeout=self.kv_timeout)
-
-    @staticmethod
-    def _key(task_id: int) -> str:
-        return f"{_KEY_PREFIX}/{task_id}"
+    def key(self, rank: int) -> str:
+        return f"{_KEY_PREFIX}/{self.run}/{rank}"
 
     def publish(self, status: dict) -> None:
-        """Replace this worker's status (the store does not overwrite)."""
+        """Replace this worker's status (the store does not overwrite).
+        Raises when the store does not answer within `kv_timeout`."""
         from tensorflow.python.eager import context
 
         ctx = context.context()
-        key = self._key(self.task_id)
-        value = json.dumps({**status, "address": self.address})
+        key = self.key(self.rank)
+        value = json.dumps({**status, "name": self.name})
 
         def write():
             try:
@@ -99,90 +153,199 @@ class WorkerStatus:
                 pass
             ctx.set_config_key_value(key, value)
 
-        with self._lock:
-            self._call(write)
+        self._start("write", write).result(timeout=self.kv_timeout)
 
-    def read(self, task_id: int) -> dict | None:
-        """A peer's last published status, or None (never published, or
-        the store did not answer in time)."""
+    def remove(self) -> None:
+        """Delete this worker's status (the run ended normally)."""
         from tensorflow.python.eager import context
 
         ctx = context.context()
-        timeout_ms = int(self.kv_timeout * 500)
         try:
-            text = self._call(
-                ctx.get_config_key_value, self._key(task_id), timeout_ms
+            self._start(
+                "delete", ctx.delete_config_key_value, self.key(self.rank)
+            ).result(timeout=self.kv_timeout)
+        except Exception:  # gone already, or the store is: nothing to do
+            pass
+
+    def read_peers(self) -> dict[int, tuple[dict | None, str | None]]:
+        """Every peer's `(status, error)`, read in parallel: `(None, None)`
+        for a peer without status, `(None, error)` when the store failed."""
+        from tensorflow.python.eager import context
+
+        ctx = context.context()
+        timeout_ms = max(int(self.read_timeout * 1000), 1)
+        futures: dict[int, Any] = {}
+        out: dict[int, tuple[dict | None, str | None]] = {}
+        for rank in self.peers:
+            try:
+                futures[rank] = self._start(
+                    f"read {rank}",
+                    ctx.get_config_key_value,
+                    self.key(rank),
+                    timeout_ms,
+                )
+            except TimeoutError as exc:
+                out[rank] = (None, _read_error(exc))
+        deadline = time.monotonic() + self.kv_timeout
+        for rank, future in futures.items():
+            try:
+                text = future.result(max(deadline - time.monotonic(), 0.01))
+            except Exception as exc:
+                out[rank] = (None, _read_error(exc))
+                continue
+            try:
+                out[rank] = (json.loads(text), None)
+            except ValueError:
+                out[rank] = (None, None)
+        return out
+
+
+def _read_error(exc: BaseException) -> str | None:
+    """None for a key that is not set (a peer without status); the error
+    otherwise (the store unreachable)."""
+    import tensorflow as tf
+
+    if isinstance(
+        exc, (tf.errors.NotFoundError, tf.errors.DeadlineExceededError)
+    ):
+        return None
+    if isinstance(exc, (TimeoutError, concurrent.futures.TimeoutError)):
+        return "the coordination service did not answer"
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
+def where_in_run(status: dict) -> str:
+    """ "train step 12", "validation step 2 (epoch 1)", ..."""
+    phase = status.get("phase", "train")
+    text = f"{phase} step {status.get('step', '?')}"
+    if phase == "validation":
+        text += f" (epoch {status.get('epoch', '?')})"
+    return text
+
+
+def when_in_run(status: dict) -> str:
+    """ "in train step 12", "after predict step 1", "before the first
+    train step"."""
+    if status.get("in_step"):
+        return "in " + where_in_run(status)
+    if not status.get("step"):
+        return f"before the first {status.get('phase', 'train')} step"
+    return "after " + where_in_run(status)
+
+
+class PeerRecord:
+    """One peer as this worker has seen it in this run.
+
+    Heartbeats are judged by this worker's clock: the peer's counter `seq`
+    must change within `stale_after` seconds.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.status: dict | None = None
+        self.seen = False
+        self.absent = True  # the last read found no status
+        self.error: str | None = None
+        self._seq: Any = None
+        self._changed_at: float | None = None
+        self._failing_since: float | None = None
+
+    def observe(
+        self, status: dict | None, error: str | None, now: float
+    ) -> None:
+        """Record one read (`now`: `time.monotonic()`)."""
+        self.error = error
+        if error is not None:
+            if self._failing_since is None:
+                self._failing_since = now
+            return
+        self._failing_since = None
+        self.absent = status is None
+        if status is None:
+            return
+        self.status = status
+        self.seen = True
+        if status.get("seq") != self._seq:
+            self._seq, self._changed_at = status.get("seq"), now
+
+    def silent_for(self, now: float) -> float:
+        """Seconds since the peer's heartbeat last changed (0 if never)."""
+        return 0.0 if self._changed_at is None else now - self._changed_at
+
+    def failing_for(self, now: float) -> float:
+        """Seconds the store has failed to answer about this peer."""
+        return 0.0 if self._failing_since is None else now - self._failing_since
+
+    def describe(
+        self,
+        own: dict,
+        now: float,
+        run_age: float,
+        stale_after: float,
+        grace: float,
+    ) -> tuple[str, str]:
+        """(verdict, one line) while this worker waits in a step.
+
+        The verdict is "gone" (killed, frozen, left the run, never came:
+        abort now), "suspect" (alive but not where this worker waits: it is
+        named if the wait reaches the timeout) or "ok". `run_age`: seconds
+        since this worker began the run; a peer without status is gone only
+        after `grace` of them (a slow but healthy start: a long dataset
+        build, a slow callback listed before the watchdog).
+        """
+        name = self.name
+        if self.failing_for(now) > stale_after:
+            return "gone", (
+                f"{name}: unknown, the coordination service (on the chief) "
+                f"has not answered for {self.failing_for(now):.0f} s "
+                f"({self.error}; chief killed?)"
             )
-        except Exception:
-            return None
-        try:
-            return json.loads(text)
-        except ValueError:
-            return None
-
-
-def peer_is_gone(status: dict | None, stale_after: float) -> bool:
-    """No status, or no heartbeat for `stale_after` seconds."""
-    if status is None:
-        return True
-    return time.time() - float(status.get("beat", 0.0)) > stale_after
-
-
-def describe_peer(
-    task_id: int, status: dict | None, own_step: int, stale_after: float
-) -> tuple[bool, str]:
-    """(missing?, one line) for a peer seen while this worker waits."""
-    now = time.time()
-    name = f"worker {task_id}"
-    if status is None:
-        return True, (
-            f"{name}: no status in the coordination service (never started "
-            "training, or the chief that hosts the service is gone)"
+        status = self.status
+        if not self.seen:
+            if run_age < grace:
+                return "ok", f"{name}: not started yet"
+            return "gone", (
+                f"{name}: no status within {run_age:.0f} s of this worker's "
+                "start (never started this run, or the chief that hosts "
+                "the coordination service is gone)"
+            )
+        if status.get("ended"):
+            return "gone", f"{name}: left the run ({status['ended']})"
+        if self.absent:
+            return "ok", f"{name}: finished the run"
+        silent = self.silent_for(now)
+        if silent > stale_after:
+            return "gone", (
+                f"{name}: no heartbeat for {silent:.0f} s (process killed, "
+                "crashed or frozen)"
+            )
+        # As the peer measured it (its clock), at its last heartbeat.
+        phase_for = float(status.get("for", 0.0))
+        if not status.get("in_tensorflow", False):
+            return "suspect", (
+                f"{name}: stalled in Python for {phase_for:.0f} s at "
+                f"{status.get('where', '?')} ({when_in_run(status)})"
+            )
+        if int(status.get("progress", 0)) < int(own.get("progress", 0)):
+            return "suspect", (
+                f"{name}: behind, still in {where_in_run(status)}"
+            )
+        return "ok", (
+            f"{name}: in {where_in_run(status)} inside TensorFlow for "
+            f"{phase_for:.0f} s (waiting too, or stuck computing)"
         )
-    name += f" ({status.get('address', '?')})"
-    age = now - float(status.get("beat", 0.0))
-    phase_for = now - float(status.get("since", now))
-    if peer_is_gone(status, stale_after):
-        return True, (
-            f"{name}: no heartbeat for {age:.0f} s (process killed, "
-            "crashed or frozen)"
-        )
-    step = int(status.get("step", -1))
-    if not status.get("in_tensorflow", False):
-        when = (
-            f"in step {step}"
-            if status.get("in_step")
-            else (f"after step {step}")
-        )
-        return True, (
-            f"{name}: stalled in Python for {phase_for:.0f} s at "
-            f"{status.get('where', '?')} ({when})"
-        )
-    if step < own_step:
-        return True, f"{name}: behind, still in step {step}"
-    return False, (
-        f"{name}: in step {step} inside TensorFlow for {phase_for:.0f} s "
-        "(waiting too, or stuck computing)"
-    )
 
 
 def missing_workers_message(
-    own: dict,
-    peers: dict[int, dict | None],
-    waited: float,
-    stale_after: float,
+    own: dict, lines: list[tuple[str, str]], waited: float
 ) -> str:
-    """The error message of a worker that waited `waited` s for its peers."""
-    step = int(own.get("step", -1))
-    lines = [
-        describe_peer(task, status, step, stale_after)
-        for task, status in sorted(peers.items())
-    ]
-    missing = [text for is_missing, text in lines if is_missing]
+    """The error message of a worker that waited `waited` s for its peers
+    (`lines`: each peer's `PeerRecord.describe`)."""
+    missing = [text for verdict, text in lines if verdict != "ok"]
     shown = missing or [text for _, text in lines]
     head = (
-        f"keras_mgpu WorkerWatchdog: worker {own.get('task_id')} waited "
-        f"{waited:.0f} s in step {step} for "
+        f"keras_mgpu WorkerWatchdog: {own.get('name', '?')} waited "
+        f"{waited:.0f} s {when_in_run(own)} for "
         + ("missing worker(s)" if missing else "its peers (none is missing")
         + ("" if missing else "; a collective may be stuck)")
         + ": "

@@ -93,7 +93,10 @@ class WorkerGathering:
         info = worker_info(strategy)
         self.task_id = int(info["rank"] or 0)
         self.num_workers = int(info["num_workers"])
-        active = self.enabled and self.num_workers > 1
+        # A task outside the collective (an `evaluator`) runs alone: it
+        # logs its own figures under its own prefix, and gathers nothing.
+        member = info["rank"] is not None
+        active = self.enabled and self.num_workers > 1 and member
         if active and not isinstance(
             strategy, tf.distribute.MultiWorkerMirroredStrategy
         ):

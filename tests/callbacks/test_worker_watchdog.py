@@ -1,16 +1,19 @@
-"""WorkerWatchdog and its status messages without a cluster (the 2-worker
-kill and stall runs are in tests/distribute/test_worker_failures.py)."""
+"""WorkerWatchdog and its status messages, and StragglerMonitor's timing
+hook, without a cluster (the cluster runs are in
+tests/distribute/test_watchdog_faults.py and test_worker_failures.py)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
 import pytest
 from _training import mlp, regression_data
 
+from keras_mgpu._flavour import keras, tf
 from keras_mgpu.callbacks import StragglerMonitor, WorkerWatchdog
-from keras_mgpu.distribute import worker_status
+from keras_mgpu.distribute import collective_timing, worker_status
 from keras_mgpu.monitoring.backend import MonitorWarning
 
 
@@ -32,13 +35,28 @@ def test_bad_arguments(kwargs, match):
         WorkerWatchdog(**kwargs)
 
 
+def test_bad_argument_type():
+    with pytest.raises(TypeError, match=r"Received: timeout='soon'"):
+        WorkerWatchdog(timeout="soon")
+
+
 def test_nothing_runs_outside_multi_worker_training():
     watchdog = WorkerWatchdog(timeout=1.0, heartbeat_interval=0.1)
     x, y = regression_data(16)
     model = mlp()
     model.compile(optimizer="sgd", loss="mse")
     before = set(threading.enumerate())
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[watchdog])
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=1,
+        verbose=0,
+        validation_data=(x, y),
+        callbacks=[watchdog],
+    )
+    model.evaluate(x, y, verbose=0, callbacks=[watchdog])
+    model.predict(x, verbose=0, callbacks=[watchdog])
     assert watchdog.report is None
     assert not [
         t
@@ -48,63 +66,236 @@ def test_nothing_runs_outside_multi_worker_training():
 
 
 def _status(**fields):
-    now = time.time()
     return {
+        "name": "worker:1 (10.0.0.2:2222)",
+        "seq": 7,
+        "phase": "train",
         "step": 12,
+        "epoch": 0,
+        "progress": 12,
         "in_step": True,
         "in_tensorflow": True,
         "where": "execute.py:53 in quick_execute",
-        "since": now - 3,
-        "beat": now,
-        "address": "10.0.0.2:2222",
+        "for": 3.0,
+        "ended": None,
         **fields,
     }
 
 
-def test_a_peer_without_heartbeat_is_gone():
-    status = _status(beat=time.time() - 30)
-    missing, text = worker_status.describe_peer(1, status, 12, 5.0)
-    assert missing and "worker 1 (10.0.0.2:2222): no heartbeat for 30 s" in text
+OWN = {
+    "name": "chief:0 (10.0.0.1:2222)",
+    "phase": "train",
+    "step": 12,
+    "progress": 12,
+    "in_step": True,
+}
 
 
-def test_a_peer_stuck_in_python_is_named_with_the_place():
+def _record(*reads, name="worker:1 (10.0.0.2:2222)"):
+    """A PeerRecord after `reads`: (status, error, monotonic time)."""
+    record = worker_status.PeerRecord(name)
+    for status, error, at in reads:
+        record.observe(status, error, at)
+    return record
+
+
+def _describe(record, now, run_age=100.0):
+    return record.describe(OWN, now, run_age, stale_after=5.0, grace=30.0)
+
+
+def test_a_peer_whose_heartbeat_stops_is_gone_by_this_workers_clock():
+    beating = _record((_status(seq=1), None, 0.0), (_status(seq=2), None, 4.0))
+    assert _describe(beating, 8.0)[0] == "ok"  # changed 4 s ago
+    verdict, text = _describe(beating, 9.5)
+    assert verdict == "gone"
+    assert text == (
+        "worker:1 (10.0.0.2:2222): no heartbeat for 6 s (process killed, "
+        "crashed or frozen)"
+    )
+
+
+def test_a_peer_without_status_is_given_the_start_up_grace():
+    never = _record((None, None, 0.0), (None, None, 20.0))
+    assert _describe(never, 20.0, run_age=29.0) == (
+        "ok",
+        "worker:1 (10.0.0.2:2222): not started yet",
+    )
+    verdict, text = _describe(never, 20.0, run_age=31.0)
+    assert verdict == "gone"
+    assert "no status within 31 s of this worker's start" in text
+
+
+def test_a_peer_that_left_or_finished_the_run():
+    left = _record((_status(ended="its fit call raised"), None, 0.0))
+    assert _describe(left, 0.5) == (
+        "gone",
+        "worker:1 (10.0.0.2:2222): left the run (its fit call raised)",
+    )
+    finished = _record((_status(), None, 0.0), (None, None, 1.0))
+    assert _describe(finished, 30.0)[0] == "ok"
+
+
+def test_an_unreachable_store_counts_after_stale_after():
+    record = _record(
+        (_status(), None, 0.0),
+        (None, "UnavailableError: socket closed", 1.0),
+    )
+    assert _describe(record, 5.0)[0] == "ok"  # failing for 4 s only
+    verdict, text = _describe(record, 6.5)
+    assert verdict == "gone"
+    assert "coordination service (on the chief) has not answered" in text
+
+
+def test_a_peer_stuck_in_python_is_named_with_the_place_and_phase():
     status = _status(
+        phase="validation",
+        step=2,
+        epoch=1,
         in_step=False,
         in_tensorflow=False,
-        since=time.time() - 40,
         where="data.py:40 in __getitem__",
+        **{"for": 40.0},
     )
-    missing, text = worker_status.describe_peer(1, status, 13, 5.0)
-    assert missing
+    verdict, text = _describe(_record((status, None, 0.0)), 1.0)
+    assert verdict == "suspect"
     assert text == (
-        "worker 1 (10.0.0.2:2222): stalled in Python for 40 s at data.py:40 "
-        "in __getitem__ (after step 12)"
+        "worker:1 (10.0.0.2:2222): stalled in Python for 40 s at data.py:40 "
+        "in __getitem__ (after validation step 2 (epoch 1))"
     )
 
 
 def test_a_peer_behind_and_one_waiting_too():
-    behind = worker_status.describe_peer(2, _status(step=11), 12, 5.0)
-    waiting = worker_status.describe_peer(3, _status(), 12, 5.0)
-    assert behind == (
-        True,
-        "worker 2 (10.0.0.2:2222): behind, still in step 11",
+    behind = _record((_status(progress=11, step=11), None, 0.0))
+    waiting = _record((_status(phase="predict", step=3), None, 0.0))
+    assert _describe(behind, 1.0) == (
+        "suspect",
+        "worker:1 (10.0.0.2:2222): behind, still in train step 11",
     )
-    assert waiting[0] is False and "waiting too" in waiting[1]
+    verdict, text = _describe(waiting, 1.0)
+    assert verdict == "ok"
+    assert "in predict step 3 inside TensorFlow for 3 s (waiting too" in text
 
 
 def test_message_names_only_the_missing_workers():
-    own = {"task_id": 0, "step": 12}
-    peers = {1: _status(), 2: None}
-    text = worker_status.missing_workers_message(own, peers, 31.0, 5.0)
+    lines = [
+        ("ok", "worker:0 (h:1): in train step 12 inside TensorFlow"),
+        ("gone", "worker:1 (h:2): no heartbeat for 6 s"),
+    ]
+    text = worker_status.missing_workers_message(OWN, lines, 31.0)
     assert text.startswith(
-        "keras_mgpu WorkerWatchdog: worker 0 waited 31 s in step 12 for "
-        "missing worker(s): worker 2: no status"
+        "keras_mgpu WorkerWatchdog: chief:0 (10.0.0.1:2222) waited 31 s in "
+        "train step 12 for missing worker(s): worker:1 (h:2): no heartbeat"
     )
-    assert "worker 1" not in text
+    assert "worker:0" not in text
     assert "Restart every worker of the job" in text
-    nobody = worker_status.missing_workers_message(own, {1: _status()}, 31, 5)
+    nobody = worker_status.missing_workers_message(OWN, lines[:1], 31)
     assert "none is missing; a collective may be stuck" in nobody
-    assert "worker 1 (10.0.0.2:2222): in step 12" in nobody
+    assert "worker:0 (h:1): in train step 12" in nobody
+
+
+def test_a_thread_waiting_in_the_standard_library_is_named_by_its_caller():
+    # An eager all-reduce waits on a multiprocessing pool: the place to
+    # name is the first frame outside Python's own library.
+    release = threading.Event()
+
+    def waits_for_peers():
+        release.wait(30)
+
+    thread = threading.Thread(target=waits_for_peers)
+    thread.start()
+    try:
+        for _ in range(100):
+            inside, where = worker_status.describe_frame(thread.ident)
+            if "waits_for_peers" in where:
+                break
+            time.sleep(0.01)
+        assert not inside
+        assert where.startswith(__file__)
+        assert where.endswith(" in waits_for_peers")
+    finally:
+        release.set()
+        thread.join()
+
+
+def test_a_hung_store_call_blocks_neither_the_caller_nor_the_exit():
+    status = worker_status.WorkerStatus(0, ["chief:0 (h:1)", "w"], "run0")
+    release = threading.Event()
+    hung = status._start("write", release.wait, 30)
+    with pytest.raises(TimeoutError):
+        hung.result(timeout=0.05)
+    # The next heartbeat is skipped, not queued behind the hung one.
+    with pytest.raises(TimeoutError, match="previous write has not returned"):
+        status._start("write", int)
+    assert all(
+        t.daemon for t in threading.enumerate() if t.name == "keras_mgpu-kv"
+    )
+    release.set()
+    assert hung.result(timeout=5) is True
+    assert status._start("write", int).result(timeout=5) == 0
+
+
+def test_when_in_run():
+    when = worker_status.when_in_run
+    assert when({"phase": "train", "step": 0}) == "before the first train step"
+    assert when({"phase": "predict", "step": 1, "in_step": True}) == (
+        "in predict step 1"
+    )
+    assert when({"phase": "validation", "step": 2, "epoch": 3}) == (
+        "after validation step 2 (epoch 3)"
+    )
+
+
+def test_the_timing_hook_goes_when_its_frame_is_gone():
+    from tensorflow.python.distribute import cross_device_utils
+
+    launcher = cross_device_utils.CollectiveReplicaLauncher
+    original = launcher.all_reduce
+
+    def fit_that_raises():
+        token = collective_timing.install(watch_frame=sys._getframe())
+        assert token is not None and collective_timing.installed()
+        assert launcher.all_reduce is not original
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fit_that_raises()
+    assert not collective_timing.installed()
+    assert launcher.all_reduce is original
+    # Tokens: an owner that uninstalls after being dropped changes nothing,
+    # and a live holder keeps the hook.
+    held = collective_timing.install()
+    collective_timing.uninstall(12345)
+    assert collective_timing.installed()
+    collective_timing.uninstall(held)
+    assert not collective_timing.installed()
+    assert launcher.all_reduce is original
+
+
+def test_straggler_monitor_hook_goes_when_fit_raises(monkeypatch):
+    from keras_mgpu.distribute import strategy as strategy_module
+
+    # Pretend to be a worker of a 2-worker cluster: on_train_begin installs
+    # the hook; fit then raises before any epoch ends.
+    monkeypatch.setattr(strategy_module, "is_multi_worker", lambda s: True)
+    monkeypatch.setattr(
+        strategy_module,
+        "worker_info",
+        lambda s=None: {"rank": 0, "num_workers": 2},
+    )
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            assert collective_timing.installed()
+            raise RuntimeError("boom")
+
+    x, y = regression_data(16)
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        model = mlp()
+        model.compile(optimizer="sgd", loss="mse")
+    monitor = StragglerMonitor()
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[monitor, Boom()])
+    assert not collective_timing.installed()
 
 
 def test_straggler_monitor_logs_nothing_outside_multi_worker():
