@@ -31,10 +31,9 @@ def interrupted_then_resumed(tmp_dir: str, mode: str) -> dict:
 
 
 def names_worker_1(error: str) -> bool:
-    """The text names task 1 of the cluster, in any of the spellings
-    WorkerWatchdog and TensorFlow use ("worker 1", "worker:1", "task:1"):
-    the watchdog's wording is not fixed, naming the dead task is."""
-    return any(name in error for name in ("worker 1", "worker:1", "task:1"))
+    """The watchdog's message names task worker:1 as TF_CONFIG does, with
+    its address."""
+    return "worker:1 (127.0.0.1:" in error
 
 
 def assert_names_the_killed_worker(error: str) -> None:

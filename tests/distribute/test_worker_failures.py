@@ -69,6 +69,8 @@ def test_a_stalled_worker_is_named_with_where_it_is_stuck(tmp_path):
     )
     assert "WorkerWatchdog" in survivor["error"]
     assert names_worker_1(survivor["error"]), survivor["error"]
+    assert "stalled in Python" in survivor["error"]
+    assert "in on_train_batch_begin" in survivor["error"]
     assert bodies.WATCHDOG_TIMEOUT <= survivor["failed_after"]
     assert survivor["failed_after"] < bodies.WATCHDOG_TIMEOUT + 3
     # The stalled worker fails too once it resumes: nothing hangs.
