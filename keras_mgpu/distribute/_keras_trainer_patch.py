@@ -321,7 +321,14 @@ def _agreed_order_init(original: Any) -> Any:
                 "keep the workers in step."
             )
         elif kind == "TFDatasetAdapter":
-            _check_dataset_shuffles(adapter, distribute_strategy)
+            # Comparing seeds takes a collective: only for the training
+            # data, which every worker adapts at the same point of `fit`
+            # (a chief-only `predict` must not wait for its peers).
+            _check_dataset_shuffles(
+                adapter,
+                distribute_strategy,
+                compare=getattr(_STATE, "training_iterator_pending", False),
+            )
         return None
 
     return _mark(__init__, original)
@@ -434,9 +441,10 @@ def _agree_on_py_dataset_order(adapter: Any, strategy: Any) -> None:
     adapter._finite_generator = _finite_generator
 
 
-def _check_dataset_shuffles(adapter: Any, strategy: Any) -> None:
+def _check_dataset_shuffles(adapter: Any, strategy: Any, compare: bool) -> None:
     """Warn when a `tf.data` shuffle will differ between workers: unseeded
-    (each worker draws its own seed), or seeded differently per worker."""
+    (each worker draws its own seed), or (`compare`: one all-reduce)
+    seeded differently per worker."""
     import numpy as np
 
     from keras_mgpu.distribute.collectives import gather_rows
@@ -446,7 +454,9 @@ def _check_dataset_shuffles(adapter: Any, strategy: Any) -> None:
     digest = int(hashlib.sha256(repr(seeds).encode()).hexdigest()[:12], 16) % (
         2**40
     )
-    rows = gather_rows(strategy, np.array([float(digest)]))
+    rows = np.zeros((1, 1))
+    if compare:
+        rows = gather_rows(strategy, np.array([float(digest)]))
     if unseeded:
         _warn_order(
             "a tf.data.Dataset with an unseeded shuffle(): each worker "
