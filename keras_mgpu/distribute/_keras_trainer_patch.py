@@ -471,7 +471,9 @@ def _check_dataset_shuffles(adapter: Any, strategy: Any, compare: bool) -> None:
             "a tf.data.Dataset whose shuffle() seeds differ between workers "
             "(e.g. a global seed set per worker): each worker keeps its share "
             "of a different order, so an epoch repeats some samples and skips "
-            "others. Give shuffle() the same explicit seed on every worker."
+            "others. Give shuffle() the same explicit seed on every worker, "
+            "and the same global seed (or none): TensorFlow combines the "
+            "two."
         )
 
 
