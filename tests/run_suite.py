@@ -9,21 +9,41 @@ the tests are mostly single-threaded Python, so on two cores two processes
 take about two thirds of the time (Keras 3 tests: 29 min serial, 19 min).
 Extra arguments are passed to both pytest runs (`-n 0` runs everything in
 one process; KERAS_MGPU_TEST_WORKERS sets the number of processes).
-Prints one closing line with the totals and exits non-zero if either run
-failed.
+
+A third, smaller run checks the oldest TensorFlow and Keras that
+pyproject.toml accepts (its `tensorflow>=` and `keras>=` floors, installed
+exactly): a virtual environment of its own, `.venv-oldest` in the repository
+root, installed with a time bound, runs `OLDEST_TESTS` (the code that
+depends most on Keras internals: multi-worker `fit`, the optimizers, the
+schedules). KERAS_MGPU_SKIP_OLDEST=1 skips it (for a quick local run).
+
+Prints one closing line with the totals of all runs and exits non-zero if
+any run failed.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 WORKERS = os.environ.get("KERAS_MGPU_TEST_WORKERS", "2")
+
+OLDEST_VENV = os.path.join(REPO_ROOT, ".venv-oldest")
+OLDEST_INSTALL_TIMEOUT = 900  # seconds; measured 41 s with a warm cache
+OLDEST_TESTS = [
+    "tests/distribute/test_multi_worker_fit.py",
+    "tests/distribute/test_mw_data_order.py",
+    "tests/schedules",
+    "tests/optimizers/test_gradient_accumulation.py",
+    "tests/optimizers/test_gradient_accumulation_state.py",
+]
 
 
 def _counts(junit_path: str) -> dict[str, int]:
@@ -38,11 +58,16 @@ def _counts(junit_path: str) -> dict[str, int]:
     return counts
 
 
-def _run(label: str, extra_env: dict[str, str], paths: list[str]) -> tuple:
+def _run(
+    label: str,
+    extra_env: dict[str, str],
+    paths: list[str],
+    python: str = sys.executable,
+) -> tuple:
     junit = os.path.join(tempfile.mkdtemp(), f"{label}.xml")
     env = {**os.environ, **extra_env}
     cmd = [
-        sys.executable,
+        python,
         "-m",
         "pytest",
         *paths,
@@ -58,15 +83,78 @@ def _run(label: str, extra_env: dict[str, str], paths: list[str]) -> tuple:
     return rc, _counts(junit)
 
 
+def oldest_pins() -> list[str]:
+    """`tensorflow==X` and `keras==Y` for the floors in pyproject.toml."""
+    with open(os.path.join(REPO_ROOT, "pyproject.toml")) as f:
+        text = f.read()
+    pins = []
+    for name in ("tensorflow", "keras"):
+        match = re.search(rf'"{name}>=([0-9.]+)"', text)
+        if match is None:
+            raise ValueError(f"pyproject.toml has no {name}>= floor")
+        pins.append(f"{name}=={match.group(1)}")
+    return pins
+
+
+def _oldest_venv() -> str | None:
+    """Create or update `.venv-oldest` on the floors; its python, or None
+    when the install failed or ran past OLDEST_INSTALL_TIMEOUT."""
+    python = os.path.join(OLDEST_VENV, "bin", "python")
+    pins = oldest_pins()
+    start = time.monotonic()
+    try:
+        if not os.path.exists(python):
+            subprocess.run(
+                [sys.executable, "-m", "venv", OLDEST_VENV],
+                check=True,
+                timeout=120,
+            )
+        subprocess.run(
+            [
+                python,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                *pins,
+                "-e",
+                REPO_ROOT,
+                "pytest>=8",
+                "pytest-timeout>=2.2",
+                "pytest-xdist>=3.5",
+            ],
+            check=True,
+            timeout=OLDEST_INSTALL_TIMEOUT,
+        )
+    except (subprocess.SubprocessError, OSError) as exc:
+        print(f"== oldest: install of {pins} failed: {exc}", flush=True)
+        return None
+    print(
+        f"== oldest: {' '.join(pins)} installed in "
+        f"{time.monotonic() - start:.0f} s",
+        flush=True,
+    )
+    return python
+
+
 def main() -> int:
     runs = [
         ("keras3", {"TF_USE_LEGACY_KERAS": "0"}, ["tests"]),
         ("tf_keras", {"TF_USE_LEGACY_KERAS": "1"}, ["tests/legacy"]),
     ]
+    if os.environ.get("KERAS_MGPU_SKIP_OLDEST") != "1":
+        runs.append(("oldest", {"TF_USE_LEGACY_KERAS": "0"}, OLDEST_TESTS))
     failed_runs = 0
     total = {"passed": 0, "failed": 0, "skipped": 0}
     for label, env, paths in runs:
-        rc, c = _run(label, env, paths)
+        python = sys.executable
+        if label == "oldest":  # in its own environment, on the floors
+            python = _oldest_venv()
+            if python is None:
+                failed_runs += 1
+                total["failed"] += 1
+                continue
+        rc, c = _run(label, env, paths, python)
         # pytest exit 5 means "no tests collected": a failure for us.
         if rc != 0:
             failed_runs += 1

@@ -1,20 +1,28 @@
 """The private Keras hooks behind `enable_multi_worker_fit()`.
 
 Everything that touches Keras internals for multi-worker `fit` is here, read
-from `keras/src/backend/tensorflow/trainer.py` of Keras 3.10-3.15 (unchanged
-on Keras's main branch, 2026-11): `TensorFlowTrainer._maybe_symbolic_build`,
-`TensorFlowTrainer.fit` / `evaluate` / `predict`, the module function
-`reduce_per_replica` and `TFEpochIterator.__init__`. Each replacement calls
-Keras's original unless the model's strategy is a multi-worker
-`MultiWorkerMirroredStrategy`. `install()` returns the originals;
-`uninstall(originals)` puts them back.
+from Keras 3.10.0, 3.11.3, 3.12.0, 3.13.0, 3.14.0, 3.15.0 and 3.15.1:
+`TensorFlowTrainer._maybe_symbolic_build`, `TensorFlowTrainer.fit` /
+`evaluate` / `predict`, the module function `reduce_per_replica` and
+`TFEpochIterator.__init__` / `_get_iterator` of
+`keras/src/backend/tensorflow/trainer.py`, plus the data code whose
+behaviour the replacements rely on (`EpochIterator._enumerate_iterator`,
+`ArrayDataAdapter.get_tf_dataset`, `PyDatasetAdapter._finite_generator`).
+Each replacement calls Keras's original unless the model's strategy is a
+multi-worker `MultiWorkerMirroredStrategy`. `structure_differences()` checks
+the installed Keras against fingerprints of the code read (the version string
+alone says nothing about a changed private function); `install()` returns
+the originals; `uninstall(originals)` puts them back.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import hashlib
 import inspect
 import random
+import textwrap
 import threading
 import warnings
 from typing import Any
@@ -26,6 +34,36 @@ _TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
 _METHODS = ("_maybe_symbolic_build", "fit", "evaluate", "predict")
 _STATE = threading.local()
 
+# Fingerprints (`_fingerprint`: the function's AST without docstring,
+# comments or layout) of the Keras code this module replaces or relies on,
+# with the releases that have it. Measured on the wheels of Keras 3.10.0,
+# 3.11.3, 3.12.0, 3.13.0, 3.14.0, 3.15.0 and 3.15.1.
+_LATER = "3.11-3.15"
+KNOWN_FINGERPRINTS: dict[str, dict[str, str]] = {
+    # Replaced: we hand it one local replica's batch.
+    "TensorFlowTrainer._maybe_symbolic_build": {
+        "7bfd8f42950c16c2": "3.10",
+        "30893db715fb5876": _LATER,
+    },
+    # Replaced in multi-worker mode (axis=None).
+    "reduce_per_replica": {"415e00e1528dbb82": "3.10-3.15"},
+    # Wrapped: builds and distributes the dataset once per fit.
+    "TFEpochIterator.__init__": {"f63908b5c43cb47c": "3.10-3.15"},
+    # Wrapped: returns the distributed dataset, iterated once per epoch.
+    "TFEpochIterator._get_iterator": {"319449a89251b049": "3.10-3.15"},
+    # Relied on: a fresh `iter(_get_iterator())` per epoch; yields
+    # (step, iterator) in 3.10, (begin, end, iterator) later.
+    "EpochIterator._enumerate_iterator": {
+        "a21b71cb21819a4a": "3.10",
+        "79c0dd52216e552a": _LATER,
+    },
+    # Relied on: the shuffle is one `tf.random.shuffle` seeded from the
+    # graph seed at construction.
+    "ArrayDataAdapter.get_tf_dataset": {"dd0a1cdd142ebc0e": "3.10-3.15"},
+    # Replaced per instance: shuffles batch indices with `random.shuffle`.
+    "PyDatasetAdapter._finite_generator": {"e96cb3fab34acd22": "3.10-3.15"},
+}
+
 
 def _trainer_module() -> Any:
     import importlib
@@ -33,8 +71,100 @@ def _trainer_module() -> Any:
     return importlib.import_module(_TRAINER_MODULE)
 
 
+def _relied_on() -> dict[str, Any]:
+    """The live Keras functions named in `KNOWN_FINGERPRINTS`."""
+    from keras.src.trainers import epoch_iterator
+    from keras.src.trainers.data_adapters import (
+        array_data_adapter,
+        py_dataset_adapter,
+    )
+
+    module = _trainer_module()
+    return {
+        "TensorFlowTrainer._maybe_symbolic_build": (
+            module.TensorFlowTrainer.__dict__["_maybe_symbolic_build"]
+        ),
+        "reduce_per_replica": module.reduce_per_replica,
+        "TFEpochIterator.__init__": module.TFEpochIterator.__init__,
+        "TFEpochIterator._get_iterator": (module.TFEpochIterator._get_iterator),
+        "EpochIterator._enumerate_iterator": (
+            epoch_iterator.EpochIterator._enumerate_iterator
+        ),
+        "ArrayDataAdapter.get_tf_dataset": (
+            array_data_adapter.ArrayDataAdapter.get_tf_dataset
+        ),
+        "PyDatasetAdapter._finite_generator": (
+            py_dataset_adapter.PyDatasetAdapter._finite_generator
+        ),
+    }
+
+
+def _fingerprint(function: Any) -> str:
+    """A hash of the function's code, blind to docstring, comments and
+    layout (its AST without line numbers)."""
+    function = inspect.unwrap(function)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    node = tree.body[0]
+    body = node.body
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
+        node.body = body[1:]
+    dump = ast.dump(node, include_attributes=False)
+    return hashlib.sha256(dump.encode()).hexdigest()[:16]
+
+
+def structure_differences() -> list[str]:
+    """What differs between the installed Keras and the code this patch was
+    read from: one line per function, empty when everything matches."""
+    try:
+        functions = _relied_on()
+    except (ImportError, AttributeError, KeyError) as exc:
+        return [f"a Keras function it relies on is gone ({exc!r})"]
+    differences = []
+    for name, function in functions.items():
+        try:
+            found = _fingerprint(function)
+        except (OSError, TypeError, SyntaxError) as exc:
+            differences.append(f"{name}: source unreadable ({exc})")
+            continue
+        known = KNOWN_FINGERPRINTS[name]
+        if found not in known:
+            releases = ", ".join(sorted(set(known.values())))
+            differences.append(
+                f"{name} differs from Keras {releases} (fingerprint "
+                f"{found}, known {', '.join(known)})"
+            )
+    for name in ("fit", "evaluate", "predict"):
+        method = _trainer_module().TensorFlowTrainer.__dict__.get(name)
+        wanted = ("callbacks",) if name == "fit" else ()
+        parameters = inspect.signature(method).parameters if method else {}
+        missing = [p for p in wanted if p not in parameters]
+        if method is None or missing:
+            differences.append(
+                f"TensorFlowTrainer.{name} is missing or has no argument "
+                f"{missing}"
+            )
+    return differences
+
+
+def keras_release_of_installed_code() -> str | None:
+    """The releases whose code the installed Keras matches ("3.10" or
+    "3.11-3.15"), None if it matches none."""
+    if structure_differences():
+        return None
+    found = _fingerprint(_relied_on()["EpochIterator._enumerate_iterator"])
+    return KNOWN_FINGERPRINTS["EpochIterator._enumerate_iterator"][found]
+
+
 def install() -> dict[str, Any]:
-    """Replace the Keras functions; return the originals by name."""
+    """Replace the Keras functions; return the originals by name.
+
+    Call only after `structure_differences()` came back empty.
+    """
     module = _trainer_module()
     trainer = module.TensorFlowTrainer
     originals: dict[str, Any] = {
@@ -42,6 +172,9 @@ def install() -> dict[str, Any]:
     }
     originals["reduce_per_replica"] = module.reduce_per_replica
     originals["TFEpochIterator.__init__"] = module.TFEpochIterator.__init__
+    originals["TFEpochIterator._get_iterator"] = (
+        module.TFEpochIterator._get_iterator
+    )
 
     trainer._maybe_symbolic_build = _symbolic_build_from_local_replica(
         originals["TensorFlowTrainer._maybe_symbolic_build"]
@@ -55,8 +188,11 @@ def install() -> dict[str, Any]:
     module.reduce_per_replica = _mean_over_replicas(
         originals["reduce_per_replica"]
     )
-    module.TFEpochIterator.__init__ = _shared_shuffle_seed(
+    module.TFEpochIterator.__init__ = _agreed_order_init(
         originals["TFEpochIterator.__init__"]
+    )
+    module.TFEpochIterator._get_iterator = _agreed_order_per_epoch(
+        originals["TFEpochIterator._get_iterator"]
     )
     return originals
 
@@ -71,6 +207,9 @@ def uninstall(originals: dict[str, Any]) -> None:
         )
     module.reduce_per_replica = originals["reduce_per_replica"]
     module.TFEpochIterator.__init__ = originals["TFEpochIterator.__init__"]
+    module.TFEpochIterator._get_iterator = originals[
+        "TFEpochIterator._get_iterator"
+    ]
 
 
 def _mark(replacement: Any, original: Any) -> Any:
@@ -99,9 +238,19 @@ def _symbolic_build_from_local_replica(original: Any) -> Any:
         if getattr(_STATE, "training_iterator_pending", False):
             _STATE.training_iterator_pending = False
             _warn_partial_batch(iterator)
+        first = getattr(iterator.data_adapter, "_first_batches", None)
+        if type(iterator.data_adapter).__name__ == "GeneratorDataAdapter" and (
+            first
+        ):
+            # A generator is read once: a batch drawn here (and the ones
+            # tf.data prefetches behind it) would be lost to training, by a
+            # different count on each worker. Keras kept the batches it
+            # peeked at for the input signature; they give the shapes.
+            return original(self, iterator=None, data_batch=first[0])
         batch = None
-        for _, _, distributed_iterator in iterator:
-            batch = next(distributed_iterator)
+        # Keras 3.10 yields (step, iterator), later (begin, end, iterator).
+        for item in iterator:
+            batch = next(item[-1])
             break
         # Shapes and dtypes are all the build needs: one local replica's
         # values give them without a collective over the data.
@@ -134,23 +283,81 @@ def _mean_over_replicas(original: Any) -> Any:
 
 
 # ----------------------------------------------------------------------
-# Shuffling arrays: one seed for every worker
+# Data order: every worker agrees, and a new order every epoch
 # ----------------------------------------------------------------------
-def _shared_shuffle_seed(original: Any) -> Any:
+# Under MultiWorkerMirroredStrategy each worker builds the whole input
+# pipeline and auto-sharding keeps its share of the batches (policy DATA:
+# batch i goes to the worker of rank i % num_workers). An epoch covers every
+# sample exactly once only if every worker produces the same batches in the
+# same order; a shuffle must therefore draw the same permutation on every
+# worker, and a new one each epoch.
+def _agreed_order_init(original: Any) -> Any:
     def __init__(self, distribute_strategy=None, *args, **kwargs):
-        if not _shuffles_arrays(distribute_strategy, args, kwargs):
+        self._keras_mgpu_order = None
+        if distribute_strategy is None or not is_multi_worker(
+            distribute_strategy
+        ):
             return original(self, distribute_strategy, *args, **kwargs)
-        seed = shared_seed(distribute_strategy)
-        with _graph_seed(seed):
-            return original(self, distribute_strategy, *args, **kwargs)
+        if _shuffles_arrays(args, kwargs):
+            base = shared_seed(distribute_strategy)
+            with _graph_seed(epoch_seed(base, 0)):
+                original(self, distribute_strategy, *args, **kwargs)
+            self._keras_mgpu_order = {"base": base, "calls": 0}
+            return None
+        original(self, distribute_strategy, *args, **kwargs)
+        adapter = self.data_adapter
+        kind = type(adapter).__name__
+        if kind == "PyDatasetAdapter" and adapter.shuffle:
+            _agree_on_py_dataset_order(adapter, distribute_strategy)
+        elif kind == "GeneratorDataAdapter":
+            _warn_order(
+                "a Python generator: Keras cannot shard it, so every worker "
+                "runs its own generator and keeps its share of each batch. An "
+                "epoch covers each sample once only if the generator yields "
+                "the same batches in the same order on every worker (seed its "
+                "randomness alike on every worker); keras_mgpu cannot check "
+                "that. A keras.utils.PyDataset (shuffle=True, workers=1) or "
+                "a tf.data.Dataset with a seeded shuffle lets keras_mgpu "
+                "keep the workers in step."
+            )
+        elif kind == "TFDatasetAdapter":
+            # Comparing seeds takes a collective: only for the training
+            # data, which every worker adapts at the same point of `fit`
+            # (a chief-only `predict` must not wait for its peers).
+            _check_dataset_shuffles(
+                adapter,
+                distribute_strategy,
+                compare=getattr(_STATE, "training_iterator_pending", False),
+            )
+        return None
 
     return _mark(__init__, original)
 
 
-def _shuffles_arrays(strategy: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether Keras will shuffle in-memory arrays for this iterator."""
-    if strategy is None or not is_multi_worker(strategy):
-        return False
+def _agreed_order_per_epoch(original: Any) -> Any:
+    def _get_iterator(self):
+        order = getattr(self, "_keras_mgpu_order", None)
+        if order is None:
+            return original(self)
+        # Keras iterates the dataset built in __init__ afresh every epoch,
+        # and its shuffle op, seeded from a graph seed, then draws the same
+        # permutation every time: rebuild it under the next epoch's seed.
+        calls = order["calls"]
+        order["calls"] += 1
+        if calls > 0:
+            with _graph_seed(epoch_seed(order["base"], calls)):
+                dataset = self.data_adapter.get_tf_dataset()
+            strategy = self._distribute_strategy
+            self._distributed_dataset = (
+                strategy.experimental_distribute_dataset(dataset)
+            )
+        return original(self)
+
+    return _mark(_get_iterator, original)
+
+
+def _shuffles_arrays(args: tuple, kwargs: dict) -> bool:
+    """Whether Keras is about to shuffle in-memory arrays."""
     # EpochIterator(x, y, sample_weight, batch_size, steps_per_epoch,
     # shuffle, ...): Keras passes them by keyword.
     shuffle = kwargs.get("shuffle", args[5] if len(args) > 5 else False)
@@ -164,6 +371,12 @@ def _shuffles_arrays(strategy: Any, args: tuple, kwargs: dict) -> bool:
     return bool(array_data_adapter.can_convert_arrays((x, y, weights)))
 
 
+def epoch_seed(base: int, epoch: int) -> int:
+    """The shuffle seed of one epoch: the same on every worker (same
+    `base`), different for each epoch, below 2**31."""
+    return random.Random(f"{base}:{epoch}").randrange(1, 2**31 - 1)
+
+
 def shared_seed(strategy: Any) -> int:
     """A seed drawn on the chief and sent to every worker (one all-reduce).
 
@@ -173,17 +386,118 @@ def shared_seed(strategy: Any) -> int:
     import numpy as np
     from tensorflow.python.eager import context
 
-    from keras_mgpu.distribute.collectives import sum_over_workers
+    from keras_mgpu.distribute.collectives import gather_rows
     from keras_mgpu.distribute.strategy import worker_info
 
-    info = worker_info(strategy)
-    row = np.zeros((int(info["num_workers"]), 1), dtype=np.float64)
-    if info["is_chief"]:
+    value = 0.0
+    if worker_info(strategy)["is_chief"]:
         base = context.global_seed()
         rng = random.Random(base) if base is not None else random.SystemRandom()
         # Below 2**31: exact in float64 and a valid TensorFlow seed.
-        row[int(info["task_id"] or 0), 0] = rng.randrange(1, 2**31 - 1)
-    return int(sum_over_workers(strategy, row).sum())
+        value = float(rng.randrange(1, 2**31 - 1))
+    rows = gather_rows(strategy, np.array([value]))
+    return int(rows.sum())
+
+
+def _warn_order(what: str) -> None:
+    warnings.warn(
+        f"Multi-worker fit on {what}",
+        MultiWorkerFitWarning,
+        stacklevel=5,
+    )
+
+
+def _agree_on_py_dataset_order(adapter: Any, strategy: Any) -> None:
+    """`PyDataset` with shuffle=True: Keras shuffles the batch indices with
+    Python's global `random`, differently on each worker. Without an
+    enqueuer (workers=1, the default) the adapter's index shuffle is
+    replaced, on this adapter only, by one seeded per epoch from a seed
+    every worker shares."""
+    if adapter.enqueuer is not None or adapter.py_dataset.num_batches is None:
+        _warn_order(
+            "a keras.utils.PyDataset with shuffle=True and "
+            + (
+                "workers > 1 or use_multiprocessing"
+                if adapter.enqueuer is not None
+                else "no length"
+            )
+            + ": Keras shuffles its batch indices with Python's `random` on "
+            "each worker separately, so an epoch repeats some batches and "
+            "skips others across the workers. Use workers=1 (keras_mgpu "
+            "then shares one shuffle per epoch), or shuffle=False and "
+            "permute in on_epoch_end with a seed every worker shares."
+        )
+        return
+    base = shared_seed(strategy)
+    state = {"epoch": 0}
+
+    def _finite_generator():
+        indices = list(range(adapter.py_dataset.num_batches))
+        random.Random(epoch_seed(base, state["epoch"])).shuffle(indices)
+        state["epoch"] += 1
+        for i in indices:
+            yield adapter._standardize_batch(adapter.py_dataset[i])
+
+    adapter._finite_generator = _finite_generator
+
+
+def _check_dataset_shuffles(adapter: Any, strategy: Any, compare: bool) -> None:
+    """Warn when a `tf.data` shuffle will differ between workers: unseeded
+    (each worker draws its own seed), or (`compare`: one all-reduce)
+    seeded differently per worker."""
+    import numpy as np
+
+    from keras_mgpu.distribute.collectives import gather_rows
+
+    seeds = _shuffle_seeds(adapter.get_tf_dataset())
+    unseeded = any(seed == (0, 0) for seed in seeds)
+    digest = int(hashlib.sha256(repr(seeds).encode()).hexdigest()[:12], 16) % (
+        2**40
+    )
+    rows = np.zeros((1, 1))
+    if compare:
+        rows = gather_rows(strategy, np.array([float(digest)]))
+    if unseeded:
+        _warn_order(
+            "a tf.data.Dataset with an unseeded shuffle(): each worker "
+            "shuffles with its own random seed, and auto-sharding then keeps "
+            "each worker's share of a different order, so an epoch repeats "
+            "some samples and skips others. Pass the same seed on every "
+            "worker (dataset.shuffle(buffer, seed=...); it still reshuffles "
+            "every epoch), or shard the files per worker."
+        )
+    elif len(set(rows[:, 0].tolist())) > 1:
+        _warn_order(
+            "a tf.data.Dataset whose shuffle() seeds differ between workers "
+            "(e.g. a global seed set per worker): each worker keeps its share "
+            "of a different order, so an epoch repeats some samples and skips "
+            "others. Give shuffle() the same explicit seed on every worker, "
+            "and the same global seed (or none): TensorFlow combines the "
+            "two."
+        )
+
+
+def _shuffle_seeds(dataset: Any) -> list[tuple[int, int]]:
+    """(seed, seed2) of every `shuffle` in the pipeline; (0, 0) when
+    unseeded (TensorFlow then draws a random seed per process)."""
+    seeds, stack, seen = [], [dataset], set()
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if type(current).__name__ == "_ShuffleDataset":
+            try:
+                seeds.append(
+                    (int(current._seed.numpy()), int(current._seed2.numpy()))
+                )
+            except (AttributeError, ValueError, TypeError):
+                seeds.append((0, 0))  # not readable: assume the worst
+        inputs = getattr(current, "_inputs", None)
+        if callable(inputs):
+            with contextlib.suppress(Exception):
+                stack.extend(inputs())
+    return seeds
 
 
 @contextlib.contextmanager
@@ -266,7 +580,12 @@ def _check_callbacks(callbacks: Any) -> None:
 
 def _warn_partial_batch(epoch_iterator: Any) -> None:
     adapter = getattr(epoch_iterator, "data_adapter", None)
-    if adapter is None or not getattr(adapter, "has_partial_batch", False):
+    try:
+        partial = bool(adapter is not None and adapter.has_partial_batch)
+    except NotImplementedError:
+        # PyDataset, generator and tf.data adapters do not know.
+        partial = False
+    if not partial:
         return
     if getattr(epoch_iterator, "steps_per_epoch", None):
         return  # a fixed number of steps: the partial batch may never come

@@ -28,12 +28,21 @@ elsewhere. Nothing is patched at import: call it once, before `fit`.
 Beyond the crash, multi-worker `fit` has three sharp edges that this module
 handles explicitly (evidence in the README's compatibility table):
 
-- `shuffle=True` with in-memory arrays: each worker shuffles with its own
-  random seed, and the auto-sharded dataset then drops some samples and
-  repeats others (one epoch covered 50 of 64 samples on one worker). The
-  workers now agree on the shuffle seed (broadcast from the chief, once per
-  `fit`), so each epoch sees every sample once; the user's global seed state
-  is left as it was.
+- Data order. Each worker builds the whole input pipeline and
+  auto-sharding keeps its share of the batches, so an epoch covers every
+  sample once only if every worker produces the same order. With
+  `shuffle=True` on in-memory arrays, each worker shuffled with its own
+  random seed (one epoch covered 50 of 64 samples on one worker). The
+  workers now share a base seed (drawn on the chief, from its global seed
+  when one is set, and broadcast once per `fit`) and shuffle each epoch with
+  a seed derived from it and the epoch: every sample once per epoch, a new
+  order every epoch, bit-reproducible when seeded; the user's global seed
+  state is left as it was. A `keras.utils.PyDataset` with `shuffle=True`
+  (`workers=1`) gets the same treatment for its batch order. Where the
+  order cannot be agreed on, a `MultiWorkerFitWarning` says so: a Python
+  generator (each worker runs it whole and keeps every N-th batch), an
+  unseeded or per-worker-seeded `tf.data` `shuffle()`, a shuffled
+  `PyDataset` with `workers > 1` or `use_multiprocessing`.
 - `steps_per_execution > 1`: Keras's multi-step loop fails with the default
   `CollectiveAllReduce` ("You must feed a value for placeholder",
   keras-team/keras#19246). TensorFlow defers collective instance keys to
@@ -54,12 +63,16 @@ pointer to `keras_mgpu.callbacks.BackupAndRestore`.
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from typing import Any
 
-# Keras versions whose trainer code this fix was read from and tested with
-# (the two functions it replaces are identical in these releases).
+# Keras versions whose code this fix was read from and tested with. What
+# decides whether it applies is the code itself: `enable_multi_worker_fit`
+# compares fingerprints of every Keras function it replaces or relies on
+# (`_keras_trainer_patch.KNOWN_FINGERPRINTS`), so a later release with the
+# same code is accepted and a changed function is refused by name.
 TESTED_KERAS_VERSIONS = ("3.10", "3.11", "3.12", "3.13", "3.14", "3.15")
 
 UPSTREAM_ISSUE = "https://github.com/keras-team/keras/issues/20585"
@@ -84,7 +97,10 @@ def _keras3() -> Any | None:
         import keras
     except ImportError:
         return None
-    if not hasattr(keras, "version") or not keras.version().startswith("3."):
+    if not hasattr(keras, "version"):
+        return None
+    major = keras.version().split(".")[0]
+    if not major.isdigit() or int(major) < 3:
         return None
     if keras.backend.backend() != "tensorflow":
         return None
@@ -109,19 +125,25 @@ def enable_multi_worker_fit() -> bool:
     Call it once per process, before `fit` (any time before is fine: before
     or after building the strategy and model). Idempotent. A no-op returning
     False where it is not needed or not safe: another Keras backend, no
-    Keras 3 installed, or a Keras version it was not tested on (then with a
-    `MultiWorkerFitWarning` saying so, instead of patching code it has not
-    read). Under every strategy other than a multi-worker
-    `MultiWorkerMirroredStrategy`, Keras's own code runs unchanged.
-    `disable_multi_worker_fit()` undoes it.
+    Keras 3 installed, or a Keras whose code differs from the code this fix
+    was read from (Keras 3.10-3.15): every Keras function it replaces or
+    relies on is compared by fingerprint, and a mismatch gives a
+    `MultiWorkerFitWarning` naming the functions that differ, instead of
+    patching code it has not read. A later Keras whose functions are
+    unchanged is accepted (with a note in the `keras_mgpu` log). Under every
+    strategy other than a multi-worker `MultiWorkerMirroredStrategy`,
+    Keras's own code runs unchanged. `disable_multi_worker_fit()` undoes
+    it.
 
     What it changes under a multi-worker strategy (see the module docstring
     and the README's compatibility table for the evidence):
 
     - the two Keras functions that fail there learn shapes from a local
       replica's batch and reduce scalar outputs over replicas;
-    - with `shuffle=True` on arrays, the workers share one shuffle seed per
-      `fit` (broadcast from the chief), so an epoch sees every sample once;
+    - with `shuffle=True` on arrays (or a `PyDataset` with `workers=1`),
+      the workers agree on each epoch's order: every sample once per epoch,
+      a new order every epoch, reproducible under a global seed; where they
+      cannot agree (generators, unseeded `tf.data` shuffles), a warning;
     - `steps_per_execution > 1` and `keras.callbacks.BackupAndRestore`
       raise a `ValueError` naming the remedy instead of failing obscurely;
     - a final partial batch gives a `MultiWorkerFitWarning`.
@@ -146,23 +168,35 @@ def enable_multi_worker_fit() -> bool:
     keras = _keras3()
     if keras is None:
         return False
-    if not keras_version_is_tested(keras.version()):
-        warnings.warn(
-            "keras_mgpu.distribute.enable_multi_worker_fit() was tested with "
-            f"Keras {', '.join(TESTED_KERAS_VERSIONS)}; this is Keras "
-            f"{keras.version()}, so nothing was patched. Check whether "
-            f"{UPSTREAM_ISSUE} is fixed in this release; if not, use the "
-            "tf_keras flavour or a custom training loop for multi-worker "
-            "training.",
-            MultiWorkerFitWarning,
-            stacklevel=2,
-        )
-        return False
-    with _LOCK:
-        if not _ORIGINALS:
-            from keras_mgpu.distribute import _keras_trainer_patch
+    from keras_mgpu.distribute import _keras_trainer_patch
 
-            _ORIGINALS.update(_keras_trainer_patch.install())
+    with _LOCK:
+        if _ORIGINALS:
+            return True
+        differences = _keras_trainer_patch.structure_differences()
+        if differences:
+            warnings.warn(
+                "keras_mgpu.distribute.enable_multi_worker_fit() patched "
+                f"nothing: the code of Keras {keras.version()} differs from "
+                "the Keras code it was read from and tested with (Keras "
+                f"{TESTED_KERAS_VERSIONS[0]}-{TESTED_KERAS_VERSIONS[-1]}): "
+                + "; ".join(differences)
+                + f". Check whether {UPSTREAM_ISSUE} is fixed in this "
+                "release; if not, use the tf_keras flavour or a custom "
+                "training loop for multi-worker training.",
+                MultiWorkerFitWarning,
+                stacklevel=2,
+            )
+            return False
+        if not keras_version_is_tested(keras.version()):
+            logging.getLogger("keras_mgpu").info(
+                "enable_multi_worker_fit: Keras %s is newer than the "
+                "releases it was tested with (%s), but every Keras function "
+                "it replaces or relies on is unchanged: patched.",
+                keras.version(),
+                ", ".join(TESTED_KERAS_VERSIONS),
+            )
+        _ORIGINALS.update(_keras_trainer_patch.install())
     return True
 
 

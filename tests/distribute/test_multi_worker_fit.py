@@ -187,14 +187,53 @@ def test_enable_is_idempotent_and_reversible(restored):
     assert trainer.reduce_per_replica is original_reduce
 
 
-def test_untested_keras_version_warns_and_patches_nothing(
-    restored, monkeypatch
-):
+def test_a_newer_keras_with_unchanged_code_is_accepted(restored, monkeypatch):
     disable_multi_worker_fit()
     monkeypatch.setattr(keras, "version", lambda: "3.99.0")
-    with pytest.warns(MultiWorkerFitWarning, match="Keras 3.99.0"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MultiWorkerFitWarning)
+        assert enable_multi_worker_fit() is True
+    assert multi_worker_fit_enabled()
+
+
+def test_changed_keras_code_is_refused_naming_what_differs(
+    restored, monkeypatch
+):
+    """The version string alone says nothing: a Keras whose trainer code
+    changed is refused, whatever version it claims to be."""
+    from keras.src.backend.tensorflow import trainer
+    from keras.src.trainers.data_adapters import array_data_adapter
+
+    disable_multi_worker_fit()
+
+    def reduce_per_replica(values, strategy, reduction):
+        return values  # a "changed" Keras function
+
+    def get_tf_dataset(self):
+        return None
+
+    monkeypatch.setattr(trainer, "reduce_per_replica", reduce_per_replica)
+    monkeypatch.setattr(
+        array_data_adapter.ArrayDataAdapter, "get_tf_dataset", get_tf_dataset
+    )
+    with pytest.warns(MultiWorkerFitWarning) as caught:
         assert enable_multi_worker_fit() is False
+    (message,) = [str(w.message) for w in caught]
+    assert f"Keras {keras.version()}" in message
+    assert "reduce_per_replica differs from Keras 3.10-3.15" in message
+    assert "ArrayDataAdapter.get_tf_dataset differs" in message
+    assert "TFEpochIterator" not in message  # unchanged: not named
     assert not multi_worker_fit_enabled()
+    assert trainer.reduce_per_replica is reduce_per_replica  # untouched
+
+
+def test_the_installed_keras_matches_a_known_release():
+    from keras_mgpu.distribute import _keras_trainer_patch
+
+    assert _keras_trainer_patch.structure_differences() == []
+    minor = int(keras.version().split(".")[1])
+    expected = "3.10" if minor == 10 else "3.11-3.15"
+    assert _keras_trainer_patch.keras_release_of_installed_code() == expected
 
 
 def test_version_guard():
