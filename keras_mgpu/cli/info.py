@@ -71,13 +71,19 @@ def _nvml_lines() -> list[str]:
 def _multi_worker_fit_state() -> str:
     import keras as keras3
 
-    from keras_mgpu.distribute import multi_worker_fit
+    from keras_mgpu.distribute import _keras_trainer_patch, multi_worker_fit
 
+    differences = _keras_trainer_patch.structure_differences()
+    if differences:
+        return (
+            f"Keras {keras3.version()}'s trainer code differs from the code "
+            "it was read from: it patches nothing and warns"
+        )
     if multi_worker_fit.keras_version_is_tested(keras3.version()):
         return f"tested with this Keras, {keras3.version()}"
     return (
-        f"not tested with Keras {keras3.version()}: it patches nothing and "
-        "warns"
+        f"Keras {keras3.version()}'s trainer code matches a tested release: "
+        "it applies"
     )
 
 
