@@ -17,6 +17,9 @@ root, installed with a time bound, runs `OLDEST_TESTS` (the code that
 depends most on Keras internals: multi-worker `fit`, the optimizers, the
 schedules). KERAS_MGPU_SKIP_OLDEST=1 skips it (for a quick local run).
 
+`--quick` is the everyday tier: the Keras 3 tests not marked `slow` (no
+multi-process clusters, demos or installs), in a few minutes.
+
 Prints one closing line with the totals of all runs and exits non-zero if
 any run failed.
 """
@@ -76,7 +79,7 @@ def _run(
         "--dist",
         "loadfile",
         f"--junitxml={junit}",
-        *sys.argv[1:],
+        *_pytest_arguments(),
     ]
     print(f"== {label}: {' '.join(cmd)}", flush=True)
     rc = subprocess.call(cmd, cwd=REPO_ROOT, env=env)
@@ -137,12 +140,22 @@ def _oldest_venv() -> str | None:
     return python
 
 
+QUICK = "--quick" in sys.argv[1:]
+
+
+def _pytest_arguments() -> list[str]:
+    """What the command line adds to every pytest run."""
+    extra = [a for a in sys.argv[1:] if a != "--quick"]
+    return ["-m", "not slow", *extra] if QUICK else extra
+
+
 def main() -> int:
-    runs = [
-        ("keras3", {"TF_USE_LEGACY_KERAS": "0"}, ["tests"]),
-        ("tf_keras", {"TF_USE_LEGACY_KERAS": "1"}, ["tests/legacy"]),
-    ]
-    if os.environ.get("KERAS_MGPU_SKIP_OLDEST") != "1":
+    runs = [("keras3", {"TF_USE_LEGACY_KERAS": "0"}, ["tests"])]
+    if not QUICK:
+        runs.append(
+            ("tf_keras", {"TF_USE_LEGACY_KERAS": "1"}, ["tests/legacy"])
+        )
+    if not QUICK and os.environ.get("KERAS_MGPU_SKIP_OLDEST") != "1":
         runs.append(("oldest", {"TF_USE_LEGACY_KERAS": "0"}, OLDEST_TESTS))
     failed_runs = 0
     total = {"passed": 0, "failed": 0, "skipped": 0}
