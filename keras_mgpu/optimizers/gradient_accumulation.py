@@ -399,7 +399,13 @@ class GradientAccumulationOptimizer(
         if self.built:
             return
         self.inner_optimizer.build(var_list)
-        super().build(var_list)
+        # The base build would create EMA variables for a `use_ema` that
+        # reads the inner's; the inner's own `apply` keeps the averages.
+        self._building_own_state = True
+        try:
+            super().build(var_list)
+        finally:
+            self._building_own_state = False
         # The wrapper's own `_iterations` counts micro-steps.
         self._pending_steps = self.add_variable(
             shape=(),
