@@ -206,6 +206,7 @@ def search_batch_size(
     else:
         _, stop = search.next_candidate()
         limited_by = stop or "trials"
+    search.settle()
     return search.outcome(limited_by)
 
 
@@ -326,14 +327,53 @@ class _Search:
             return LinearFit.least_squares(near)
         return LinearFit.least_squares(with_peaks)
 
-    def outcome(self, limited_by: str) -> SearchOutcome:
+    def _within_budget(self, fit: LinearFit, best: Measurement) -> bool:
+        # Float rounding of an exact line may land a hair above the budget.
+        return fit.predict(best.batch_size) <= self.budget_mb * (1 + 1e-9)
+
+    def _answer(self) -> tuple[Measurement, LinearFit]:
+        """The largest batch that fits whose reported line also stays
+        within the budget there, and that line.
+
+        A measured peak within the budget is not enough: where the line
+        (what the user reads as the answer's peak) says more, the next
+        step at that batch may too. When no measured batch qualifies, the
+        smallest one is reported with a flat line through its peak.
+        """
         fitting = self._fitting()
-        best = fitting[-1]
+        for best in reversed(fitting):
+            fit = self._reported_fit(best.batch_size)
+            if self._within_budget(fit, best):
+                return best, fit
+        return fitting[0], LinearFit.through(fitting[0], fitting[0])
+
+    def settle(self, extra_steps: int = 2) -> None:
+        """Where the reported line puts the largest fitting batch above
+        the budget, measure the batch at which it reaches the budget (at
+        most `extra_steps` more steps), so that `_answer` need not fall
+        back to a much smaller measured batch."""
+        for _ in range(extra_steps):
+            best = self._fitting()[-1]
+            fit = self._reported_fit(best.batch_size)
+            if self._within_budget(fit, best):
+                return
+            candidate = self._round_down(fit.largest_batch(self.budget_mb))
+            measured = {m.batch_size for m in self.measurements}
+            if (
+                candidate < self.multiple_of
+                or candidate >= best.batch_size
+                or candidate in measured
+            ):
+                return
+            self.run(candidate)
+
+    def outcome(self, limited_by: str) -> SearchOutcome:
+        best, fit = self._answer()
         hi = self._lowest_failure()
         return SearchOutcome(
             best=best,
             upper_bound=None if hi is None else hi.batch_size,
-            fit=self._reported_fit(best.batch_size),
+            fit=fit,
             limited_by=limited_by,
             measurements=tuple(self.measurements),
         )
