@@ -124,6 +124,7 @@ def real_peaks(task_index: int) -> dict:
             "fixed_mb": r.fixed_mb,
             "per_sample_mb": r.per_sample_mb,
             "budget_mb": r.budget_mb,
+            "search_budget_mb": r.search_budget_mb,
             "limited_by": r.limited_by,
             "measurements": r.measurements,
             "seconds": r.search_seconds,

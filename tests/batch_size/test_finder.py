@@ -372,8 +372,10 @@ def test_real_peaks_of_a_cnn_and_an_mlp():
     """For a CNN and an MLP on CPU with oneDNN allocator statistics: the
     fitted line's peak at the chosen batch is within 15% of the measured
     one, and the chosen batch is the largest whose measured peak stays
-    under the budget, within one probe step (~3%): it fits, the bracket's
-    upper end does not, and nothing larger was seen to fit. Re-measured
+    under the budget less the safety margin, within one probe step (~3%;
+    a few where the fitted line's peak had to be kept within it too): it
+    fits, the bracket's upper end does not, and nothing above it was seen
+    to fit. Re-measured
     with the same copy after the search, the answer's peak stays within
     the ~15% the allocator's figures drift with the process's history, and
     a batch 25% larger does not fit."""
@@ -384,7 +386,9 @@ def test_real_peaks_of_a_cnn_and_an_mlp():
     )
     assert set(results) == {"cnn", "mlp"}
     for name, r in results.items():
-        budget = r["budget_mb"]
+        # What the steps had to fit: the budget less the safety margin.
+        budget = r["search_budget_mb"]
+        assert budget == pytest.approx(0.9 * r["budget_mb"])
         assert r["limited_by"] == "memory", (name, r)
         relative = (
             abs(r["peak_mb"] - r["measured_peak_mb"]) / (r["measured_peak_mb"])
@@ -394,10 +398,13 @@ def test_real_peaks_of_a_cnn_and_an_mlp():
         peaks = dict((b, p) for b, p in r["measurements"])
         assert peaks[r["batch_size"]] == r["measured_peak_mb"]
         assert peaks[r["upper_bound"]] > budget, (name, r)
-        assert r["upper_bound"] - r["batch_size"] <= r["resolution"], r
+        # One probe step (~3%), or a few where the answer stepped down to
+        # keep the fitted line's peak within the budget too.
+        assert r["upper_bound"] - r["batch_size"] <= 4 * r["resolution"], r
+        assert r["peak_mb"] <= budget, (name, r)
         assert not [
-            b for b, p in peaks.items() if r["batch_size"] < b and (p <= budget)
-        ], (name, r)  # nothing larger was seen to fit
+            b for b, p in peaks.items() if r["upper_bound"] < b and p <= budget
+        ], (name, r)  # nothing above the bracket was seen to fit
         again, above = r["remeasured"]
         assert again <= 1.15 * budget, (name, r)
         assert above > budget, (name, r)
