@@ -68,11 +68,9 @@ def test_finds_the_largest_batch_within_one_step(curve):
         assert outcome.limited_by == "memory"
         # The bracket is one resolution step (~3%) wide, and its upper end
         # really fails; where the fitted line put that lower end above the
-        # budget, the answer steps down to where the line meets it (on the
-        # convex quadratic, up to 3 steps: a line through points near the
-        # answer lies above a convex curve; see
+        # budget, the answer steps down to where the line meets it (see
         # test_the_reported_peak_never_exceeds_the_budget).
-        steps = 4 if curve is quadratic else 2
+        steps = 2
         assert curve(outcome.upper_bound) > budget
         assert outcome.upper_bound - best <= steps * resolution(best, 1)
         assert true - best <= steps * resolution(best, 1), (budget, best, true)
