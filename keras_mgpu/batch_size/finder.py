@@ -23,6 +23,12 @@ from keras_mgpu.batch_size.search import (
 from keras_mgpu.distribute import current_strategy, worker_info
 
 DEFAULT_MEMORY_FRACTION = 0.9
+# The search keeps each probe step's peak this fraction below the budget.
+# In a fresh process that trains with `fit` at the answer, the per-step
+# peaks of one run spread over ~10% (an MLP with Adam on CPU with oneDNN:
+# 141-155 MB at the batch whose probe peak was 148 MB, over 16 steps),
+# while the probe keeps the highest of `memory_probe.STEPS` steps.
+SAFETY_MARGIN = 0.1
 MB = 1024.0 * 1024.0
 _LIMITS = ("memory", "max_batch_size", "trials")
 
@@ -56,6 +62,10 @@ class BatchSizeResult:
         worker_batch_sizes: each worker's own answer (one entry without a
             cluster); `batch_size` is their minimum.
         search_seconds: wall time of this process's search.
+        safety_margin: the fraction of the budget kept free: every probe
+            step counted as fitting (and `peak_mb`) stays within
+            `budget_mb * (1 - safety_margin)`, for the step-to-step spread
+            of a training run's peaks.
     """
 
     batch_size: int
@@ -73,6 +83,12 @@ class BatchSizeResult:
     worker_batch_sizes: tuple[int, ...]
     search_seconds: float
     model_name: str = ""
+    safety_margin: float = SAFETY_MARGIN
+
+    @property
+    def search_budget_mb(self) -> float:
+        """The budget less the safety margin: what the steps had to fit."""
+        return self.budget_mb * (1 - self.safety_margin)
 
     def predict_peak_mb(self, batch_size: int) -> float:
         """The fitted line's peak for `batch_size` (MB)."""
@@ -87,7 +103,9 @@ class BatchSizeResult:
             f"sample (TensorFlow allocator peaks of "
             f"{len(self.measurements)} probe steps, line fitted near the "
             f"answer). Within the budget of {self.budget_mb:,.1f} MB "
-            f"({self.budget_source}) the largest batch is "
+            f"({self.budget_source}), less a {self.safety_margin:.0%} "
+            f"margin for the spread of a training run's step peaks "
+            f"({self.search_budget_mb:,.1f} MB), the largest batch is "
             f"{self.batch_size:,}: predicted peak {self.peak_mb:,.1f} MB, "
             f"measured {self.measured_peak_mb:,.1f} MB"
         )
@@ -143,7 +161,13 @@ def find_batch_size(
 
     **Budget.** `memory_fraction` (default 0.9) of the device's memory: a
     GPU's total (NVML, or its logical `memory_limit`), or on CPU the host
-    memory available now. Or an explicit `memory_budget_mb`. On CPU,
+    memory available now. Or an explicit `memory_budget_mb`. Each batch
+    size is measured over a few steps of `fit` (the first, which traces,
+    and the steady state, where `fit` holds the next batch during a step)
+    and its highest peak must stay within the budget less a
+    `SAFETY_MARGIN` of 10%, which covers the step-to-step spread of the
+    peaks of a training run measured on CPU; so must the fitted line's
+    `peak_mb` at the answer. On CPU,
     TensorFlow keeps allocator statistics only with `TF_ENABLE_ONEDNN_OPTS=1`
     set before it starts, and they are process-wide.
 
@@ -239,7 +263,12 @@ def probe_batch_size(
                 samples,
                 device,
                 reader,
-                (budget_mb, max_batch_size, multiple_of, max_trials),
+                (
+                    budget_mb * (1 - SAFETY_MARGIN),
+                    max_batch_size,
+                    multiple_of,
+                    max_trials,
+                ),
             )
         )
         error = None
@@ -435,7 +464,8 @@ def _explained(
         else f"its measured peak is {first.peak_mb:,.1f} MB"
     )
     message = (
-        f"{argument}: {error}. That is the fixed cost of training this "
+        f"{argument}: {error} (the budget less the {SAFETY_MARGIN:.0%} "
+        "safety margin). That is the fixed cost of training this "
         f"model (weights, optimizer state, one step at batch "
         f"{first.batch_size}): {figure}."
     )

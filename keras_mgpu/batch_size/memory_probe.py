@@ -20,15 +20,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from keras_mgpu._flavour import flavour_of, keras_of, tf
 from keras_mgpu.batch_size.samples import SampleBatches
 from keras_mgpu.batch_size.search import OutOfMemory
 from keras_mgpu.monitoring.tf_memory import TFMemoryReader
 
-# Each batch size is stepped this many times and the highest peak kept:
-# on CPU the order in which threads free buffers varies, and a step can
-# peak ~10% lower than usual now and then.
-REPEATS = 2
+# Each batch size runs this many steps of `fit` and the highest per-step
+# peak is kept: the first step (which traces) and the steady state, where
+# `fit` holds the next batch while a step runs; on CPU the order in which
+# threads free buffers also varies, and a step can peak ~10% lower than
+# usual now and then.
+STEPS = 3
 
 
 class AllocatorStatsUnavailable(RuntimeError):
@@ -209,7 +213,6 @@ class StepProbe:
 
     def measure(self, batch_size: int) -> tuple[float, float]:
         x, y, sample_weight = self.samples.batch(batch_size)
-        peak = seconds = 0.0
         try:
             with self._strategy.scope(), tf.device(self._device_name):
                 # On the device before the peak is reset: the batch counts.
@@ -220,13 +223,7 @@ class StepProbe:
                     for part in (x, y, sample_weight)
                 )
                 del x, y, sample_weight
-                for _ in range(REPEATS):
-                    self.reader.reset(self.device)
-                    start = time.perf_counter()
-                    self._run_step(batch_size, inputs)
-                    seconds = time.perf_counter() - start
-                    reading = self.reader.read(self.device)
-                    peak = max(peak, reading["peak_mb"] - self.baseline_mb)
+                steps = self._run_steps(batch_size, inputs)
         except tf.errors.ResourceExhaustedError as exc:
             raise OutOfMemory(str(exc).split("\n")[0]) from exc
         except (ValueError, TypeError, tf.errors.InvalidArgumentError) as exc:
@@ -238,14 +235,41 @@ class StepProbe:
                 f"{type(exc).__name__}: {_first_line(exc)} (a tf.data."
                 "Dataset must yield batches, as model.fit takes)"
             ) from exc
-        return peak, seconds
+        peak = max(p for p, _ in steps) - self.baseline_mb
+        return peak, steps[-1][1]
 
-    def _run_step(self, batch_size: int, inputs: tuple) -> None:
-        """One `train_on_batch` (which returns NumPy values, so the step
-        has finished when it returns)."""
-        x, y, sample_weight = inputs
-        self.model.train_on_batch(x, y, sample_weight=sample_weight)
-        self._steps += 1
+    def _run_steps(self, batch_size: int, inputs: tuple) -> list:
+        """`STEPS` steps of `fit` on the batch, repeated: `(peak_mb,
+        seconds)` of each, the peak as the allocator reads it (baseline
+        included).
+
+        `fit`, not `train_on_batch`: while a step runs, `fit`'s iterator
+        already holds the next batch (one batch more than a lone step,
+        ~3% of an MLP's peak), which is what training will need.
+        """
+        keras = self.blueprint._keras
+        reader, device = self.reader, self.device
+        parts = tuple(part for part in inputs if part is not None)
+        dataset = tf.data.Dataset.from_tensors(parts).repeat(STEPS)
+        steps: list = []
+
+        class StepPeaks(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                reader.reset(device)
+                self._start = time.perf_counter()
+
+            def on_train_batch_end(self, batch, logs=None):
+                # Reading the loss waits for the step to finish.
+                for value in (logs or {}).values():
+                    np.asarray(value)
+                seconds = time.perf_counter() - self._start
+                steps.append((reader.read(device)["peak_mb"], seconds))
+
+        self.model.fit(
+            dataset, epochs=1, verbose=0, shuffle=False, callbacks=[StepPeaks()]
+        )
+        self._steps += len(steps)
+        return steps
 
 
 def _first_line(exc: BaseException) -> str:

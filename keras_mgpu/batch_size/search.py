@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 # The search stops when the bracket is at most this fraction of the batch
 # wide (and at least `multiple_of`): ~3%, one "probe step".
@@ -206,6 +206,7 @@ def search_batch_size(
     else:
         _, stop = search.next_candidate()
         limited_by = stop or "trials"
+    search.settle()
     return search.outcome(limited_by)
 
 
@@ -319,21 +320,78 @@ class _Search:
         below = far[-1] if far else fitting[max(len(fitting) - 2, 0)]
         return LinearFit.through(below, lo)
 
-    def _reported_fit(self, answer: int) -> LinearFit:
+    def _reported_fit(self, answer: int, below: bool = False) -> LinearFit:
+        """The least-squares line near `answer` (`FIT_RANGE`), through the
+        peaks on both sides of it, or (`below`) only through those at or
+        below it."""
         with_peaks = [m for m in self.measurements if m.peak_mb is not None]
+        if below:
+            with_peaks = [m for m in with_peaks if m.batch_size <= answer]
         near = [m for m in with_peaks if m.batch_size * FIT_RANGE >= answer]
         if len({m.batch_size for m in near}) >= 2:
             return LinearFit.least_squares(near)
         return LinearFit.least_squares(with_peaks)
 
-    def outcome(self, limited_by: str) -> SearchOutcome:
+    def _within_budget(self, fit: LinearFit, best: Measurement) -> bool:
+        # Float rounding of an exact line may land a hair above the budget.
+        return fit.predict(best.batch_size) <= self.budget_mb * (1 + 1e-9)
+
+    def _answer(self) -> tuple[Measurement, LinearFit]:
+        """The largest batch that fits whose reported line also stays
+        within the budget there, and that line.
+
+        A measured peak within the budget is not enough: where the line
+        (what the user reads as the answer's peak) says more, the next
+        step at that batch may too. When no measured batch qualifies, the
+        smallest one is reported with a flat line through its peak.
+        """
         fitting = self._fitting()
-        best = fitting[-1]
+        for best in reversed(fitting):
+            for fit in self._reported_fits(best):
+                if self._within_budget(fit, best):
+                    return best, fit
+        return fitting[0], LinearFit.through(fitting[0], fitting[0])
+
+    def _reported_fits(self, best: Measurement) -> Iterator[LinearFit]:
+        """The line to report at `best`, then the one through the peaks
+        at or below it only: a line through points on both sides of the
+        answer lies above a convex memory curve there (and so may put a
+        batch measured within the budget above it), one through the
+        points below it does not."""
+        yield self._reported_fit(best.batch_size)
+        if len({m.batch_size for m in self._fitting()}) >= 2:
+            yield self._reported_fit(best.batch_size, below=True)
+
+    def settle(self, extra_steps: int = 2) -> None:
+        """Where the reported line puts the largest fitting batch above
+        the budget, measure the batch at which it reaches the budget (at
+        most `extra_steps` more steps), so that `_answer` need not fall
+        back to a much smaller measured batch."""
+        for _ in range(extra_steps):
+            best = self._fitting()[-1]
+            if any(
+                self._within_budget(fit, best)
+                for fit in self._reported_fits(best)
+            ):
+                return
+            fit = self._reported_fit(best.batch_size)
+            candidate = self._round_down(fit.largest_batch(self.budget_mb))
+            measured = {m.batch_size for m in self.measurements}
+            if (
+                candidate < self.multiple_of
+                or candidate >= best.batch_size
+                or candidate in measured
+            ):
+                return
+            self.run(candidate)
+
+    def outcome(self, limited_by: str) -> SearchOutcome:
+        best, fit = self._answer()
         hi = self._lowest_failure()
         return SearchOutcome(
             best=best,
             upper_bound=None if hi is None else hi.batch_size,
-            fit=self._reported_fit(best.batch_size),
+            fit=fit,
             limited_by=limited_by,
             measurements=tuple(self.measurements),
         )

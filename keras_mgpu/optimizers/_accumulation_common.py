@@ -362,6 +362,50 @@ class AccumulationProtocol:
     clipvalue = _inner_setting("clipvalue")
     weight_decay = _inner_setting("weight_decay")
 
+    # EMA of the weights is the inner optimizer's: it runs in the inner's
+    # `apply`, once per update, on the updated weights. The wrapper shows
+    # the inner's settings and averages because code that looks for them
+    # finds the wrapper: Keras's `SwapEMAWeights` unwraps exactly one
+    # `inner_optimizer` level, which under `mixed_float16` (where `compile`
+    # puts a `LossScaleOptimizer` around the wrapper) is this wrapper.
+    ema_momentum = _inner_setting("ema_momentum")
+    ema_overwrite_frequency = _inner_setting("ema_overwrite_frequency")
+
+    @property
+    def use_ema(self) -> bool:
+        """The inner optimizer's `use_ema` (set it there).
+
+        Reads False while the base class builds the wrapper's own state,
+        so that no second set of averages is created on the wrapper.
+        """
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None or self.__dict__.get("_building_own_state"):
+            return False
+        return bool(inner.use_ema)
+
+    @use_ema.setter
+    def use_ema(self, value: Any) -> None:
+        # The base `__init__` assigns the wrapper's own (False) before the
+        # inner exists; later assignments (tf_keras's LossScaleOptimizer
+        # forwards its own) reach the inner, as `_inner_setting` does.
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is not None:
+            inner.use_ema = value
+
+    @property
+    def _model_variables_moving_average(self) -> list:
+        """The inner optimizer's EMA variables, in the order of the
+        wrapper's (identical) trainable variables. Absent (AttributeError)
+        unless the inner keeps them, as on a plain optimizer."""
+        inner = self.__dict__.get("inner_optimizer")
+        averages = getattr(inner, "_model_variables_moving_average", None)
+        if averages is None or self.__dict__.get("_building_own_state"):
+            raise AttributeError(
+                "The inner optimizer keeps no moving averages (it was "
+                "created with use_ema=False, or is not built yet)."
+            )
+        return averages
+
     @property
     def iterations(self) -> Any:
         """Number of real updates (the inner optimizer's counter)."""

@@ -183,7 +183,7 @@ def _inner_reduction_skipped(optimizer: Any) -> Iterator[None]:
                 "GradientAccumulationOptimizer cannot keep "
                 f"{type(target).__name__} from all-reducing gradients that "
                 "are already reduced (gradient compression, or clipping "
-                "under several replicas). Tested with Keras 3.10-3.15."
+                "under several replicas). Read in Keras 3.10-3.15."
             )
     with _SKIP_LOCK:
         for target in targets:
@@ -265,13 +265,23 @@ class GradientAccumulationOptimizer(
     the accumulated mean gradient once. Gradient clipping (`clipnorm`,
     `global_clipnorm`, `clipvalue` set on the inner optimizer) is applied to
     the *reduced* mean gradient, as on one device (Keras 3.15 itself clips
-    each replica's partial gradient under `MirroredStrategy`); that costs one
-    extra all-reduce per update. Before an update, the wrapper checks that
+    each replica's partial gradient under `MirroredStrategy`): the wrapper
+    then all-reduces the mean itself and the inner optimizer does not
+    reduce again, so the update still takes one all-reduce (and no separate
+    finiteness flag). Before an update, the wrapper checks that
     the reduced mean gradient is finite; if not, the whole window is
     skipped identically on every replica (`skipped_updates` counts them) and
     the accumulators restart from zero. That makes mixed precision
     (`LossScaleOptimizer`, which `compile` adds around this wrapper) safe
     under `MirroredStrategy`, where Keras decides "finite?" per replica.
+
+    **EMA.** `use_ema=True` on the inner optimizer averages the weights
+    once per update, in the inner's `apply`. The wrapper reads `use_ema`,
+    `ema_momentum`, `ema_overwrite_frequency` and the averages from the
+    inner, so Keras's `SwapEMAWeights` finds them also under
+    `mixed_float16`, where it unwraps the `LossScaleOptimizer` around the
+    wrapper and stops at the wrapper; `fit` ends on the averages through
+    `finalize_variable_values`, as with a plain optimizer.
 
     **State.** Accumulators and counters are optimizer variables, so
     `tf.train.Checkpoint`, `.keras` files and `BackupAndRestore` resume in
@@ -399,7 +409,13 @@ class GradientAccumulationOptimizer(
         if self.built:
             return
         self.inner_optimizer.build(var_list)
-        super().build(var_list)
+        # The base build would create EMA variables for a `use_ema` that
+        # reads the inner's; the inner's own `apply` keeps the averages.
+        self._building_own_state = True
+        try:
+            super().build(var_list)
+        finally:
+            self._building_own_state = False
         # The wrapper's own `_iterations` counts micro-steps.
         self._pending_steps = self.add_variable(
             shape=(),

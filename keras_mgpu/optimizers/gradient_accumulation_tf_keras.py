@@ -203,7 +203,13 @@ class GradientAccumulationOptimizer(
         if getattr(self, "_built", False):
             return
         var_list = list(var_list)
-        super().build(var_list)
+        # The base build would create EMA variables for a `use_ema` that
+        # reads the inner's; the inner's own update keeps the averages.
+        self._building_own_state = True
+        try:
+            super().build(var_list)
+        finally:
+            self._building_own_state = False
         self.inner_optimizer.build(var_list)
         # The wrapper's own `_iterations` (created by the base class) counts
         # micro-steps; these two count within and across windows.

@@ -53,9 +53,9 @@ def fake_allocator(monkeypatch):
     """Install a `FakeAllocator` (returned; change its fields freely)."""
     fake = FakeAllocator()
     monkeypatch.setattr(memory_probe, "memory_reader", lambda: fake)
-    real_step = memory_probe.StepProbe._run_step
+    real_steps = memory_probe.StepProbe._run_steps
 
-    def step(self, batch_size, inputs):
+    def steps(self, batch_size, inputs):
         fake.batch = batch_size
         fake.steps.append(batch_size)
         fake.probe_strategies.append(self.model.distribute_strategy)
@@ -64,7 +64,7 @@ def fake_allocator(monkeypatch):
             raise tf.errors.ResourceExhaustedError(
                 None, None, "OOM when allocating tensor (fake)"
             )
-        real_step(self, batch_size, inputs)
+        return real_steps(self, batch_size, inputs)
 
-    monkeypatch.setattr(memory_probe.StepProbe, "_run_step", step)
+    monkeypatch.setattr(memory_probe.StepProbe, "_run_steps", steps)
     return fake

@@ -124,6 +124,7 @@ def real_peaks(task_index: int) -> dict:
             "fixed_mb": r.fixed_mb,
             "per_sample_mb": r.per_sample_mb,
             "budget_mb": r.budget_mb,
+            "search_budget_mb": r.search_budget_mb,
             "limited_by": r.limited_by,
             "measurements": r.measurements,
             "seconds": r.search_seconds,
@@ -171,3 +172,86 @@ def multi_worker_configure(task_index: int) -> dict:
         "optimizer": type(setup.optimizer).__name__,
         "explanation": setup.explanation,
     }
+
+
+# The MLP of issue 19 (512 -> 6 x 1024, Adam) and its budget: the old probe
+# (one `train_on_batch`, no margin) answered 2299 for 148 MB, and training
+# at 2299 in a fresh process peaked at 152 MB.
+FRESH_BUDGET_MB = 148.0
+FRESH_STEPS = 12
+
+
+def _wide_mlp():
+    from keras_mgpu._flavour import keras
+
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+    model = keras.Sequential(
+        [
+            keras.Input((512,)),
+            *[layers.Dense(1024, activation="relu") for _ in range(6)],
+            layers.Dense(10),
+        ],
+        name="wide_mlp",
+    )
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def _wide_data(samples):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.random((256, 512), dtype="float32")
+    y = rng.integers(0, 10, 256)
+    return np.resize(x, (samples, 512)), np.resize(y, (samples,))
+
+
+def find_for_fresh_fit(task_index: int) -> dict:
+    """find_batch_size for the wide MLP (allocator statistics on)."""
+    from keras_mgpu import find_batch_size
+
+    r = find_batch_size(
+        _wide_mlp(), _wide_data(256), memory_budget_mb=FRESH_BUDGET_MB
+    )
+    return {
+        "batch_size": r.batch_size,
+        "peak_mb": r.peak_mb,
+        "measured_peak_mb": r.measured_peak_mb,
+        "budget_mb": r.budget_mb,
+        "search_budget_mb": r.search_budget_mb,
+        "measurements": r.measurements,
+    }
+
+
+def fresh_fit_peaks(task_index: int, batch_size: int) -> dict:
+    """`fit` of the wide MLP at `batch_size` in this fresh process: the
+    allocator peak of each of `FRESH_STEPS` steps (the first, which traces,
+    included), above what the process held before the model existed."""
+    import tensorflow as tf
+
+    from keras_mgpu._flavour import keras
+
+    def peak_mb():
+        return tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20
+
+    base = tf.config.experimental.get_memory_info("CPU:0")["current"] / 2**20
+    model = _wide_mlp()
+    dataset = tf.data.Dataset.from_tensors(_wide_data(batch_size))
+    peaks = []
+
+    class Peaks(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            tf.config.experimental.reset_memory_stats("CPU:0")
+
+        def on_train_batch_end(self, batch, logs=None):
+            float(logs["loss"])  # the step has finished
+            peaks.append(peak_mb() - base)
+
+    model.fit(
+        dataset.repeat(FRESH_STEPS), epochs=1, verbose=0, callbacks=[Peaks()]
+    )
+    return {"peaks": peaks}

@@ -68,8 +68,10 @@ def test_user_model_and_optimizer_untouched_under_every_strategy(
     # Keras's global seed stream is untouched too.
     keras.utils.set_random_seed(5)
     assert np.array_equal(after_search, keras.random.uniform((3,)))
-    # The best batch of the fake's line 10 + 0.5 b under 100 MB is 180.
-    assert result.batch_size == 180
+    # The best batch of the fake's line 10 + 0.5 b under 100 MB less the
+    # 10% safety margin (90 MB) is 160.
+    assert result.batch_size == 160
+    assert result.peak_mb <= result.search_budget_mb == pytest.approx(90.0)
     assert result.fixed_mb == pytest.approx(10.0)
     assert result.per_sample_mb == pytest.approx(0.5)
     # The probe ran on one device, outside the user's strategy.
@@ -78,11 +80,11 @@ def test_user_model_and_optimizer_untouched_under_every_strategy(
         isinstance(s, tf.distribute.OneDeviceStrategy)
         for s in fake_allocator.probe_strategies
     )
-    assert result.worker_batch_sizes == (180,)
+    assert result.worker_batch_sizes == (160,)
 
 
 def test_out_of_memory_in_a_step_backs_off(fake_allocator):
-    # The budget allows 180, but the device runs out above 60 (as a GPU
+    # The budget allows 160, but the device runs out above 60 (as a GPU
     # does when fragmentation leaves less than the budget says).
     fake_allocator.oom_above = 60
     model = _compiled(tf.distribute.get_strategy())
@@ -98,7 +100,7 @@ def test_data_forms_and_multiple_of(fake_allocator):
     by_dataset = find_batch_size(
         model, dataset, memory_budget_mb=100.0, multiple_of=8
     )
-    assert by_dataset.batch_size == 176
+    assert by_dataset.batch_size == 160
     assert all(batch % 8 == 0 for batch in fake_allocator.steps)
     weights = np.ones(len(X), "float32")
     with_weights = find_batch_size(
@@ -121,15 +123,16 @@ def test_dict_inputs_and_explanation(fake_allocator, capsys):
     result = find_batch_size(
         model, (x, np.ones((5, 1), "float32")), memory_budget_mb=60.0, verbose=1
     )
-    assert result.batch_size == 100
+    assert result.batch_size == 88
     printed = capsys.readouterr().out
     assert printed.strip() == result.explain()
     for text in (
         "One training step of 'two_in'",
         "run on a copy on CPU:0",
         "needs 10.0 MB + 0.5 MB per sample",
-        "Within the budget of 60.0 MB (memory_budget_mb) the largest batch "
-        "is 100: predicted peak 60.0 MB, measured 60.0 MB; ",
+        "Within the budget of 60.0 MB (memory_budget_mb), less a 10% margin "
+        "for the spread of a training run's step peaks (54.0 MB), the "
+        "largest batch is 88: predicted peak 54.0 MB, measured 54.0 MB; ",
     ):
         assert text in printed
 
@@ -145,14 +148,14 @@ def test_workers_take_the_smallest_answer(fake_allocator, monkeypatch):
     )
     model = _compiled(tf.distribute.get_strategy())
     result = find_batch_size(model, (X, Y), memory_budget_mb=100.0)
-    assert result.worker_batch_sizes == (180, 150)
+    assert result.worker_batch_sizes == (160, 150)
     assert (result.batch_size, result.fixed_mb, result.upper_bound) == (
         150,
         9.0,
         155,
     )
     assert result.budget_mb == 80.0
-    assert "the smallest of the workers' answers [180, 150]" in (
+    assert "the smallest of the workers' answers [160, 150]" in (
         result.explain()
     )
     # A worker whose probe failed fails every worker (none waits forever).
@@ -192,7 +195,8 @@ def test_budget_below_the_fixed_cost_names_the_figure(fake_allocator):
         ValueError,
         match=r"Argument `memory_budget_mb`=8 is too small: one training "
         r"step at the smallest batch \(1\) peaks at 10\.5 MB, above the "
-        r"budget of 8\.0 MB\..*its measured peak is 10\.5 MB",
+        r"budget of 7\.2 MB \(the budget less the 10% safety margin\)\..*"
+        r"its measured peak is 10\.5 MB",
     ):
         find_batch_size(model, (X, Y), memory_budget_mb=8)
     fake_allocator.oom_above = 0
@@ -217,8 +221,15 @@ def test_data_the_model_cannot_take(fake_allocator):
 
 
 def test_without_allocator_statistics_says_what_to_set():
-    # This process has oneDNN off, as most CPU processes: the real reader
-    # finds no statistics.
+    # Where this process has oneDNN off, as most CPU processes, the real
+    # reader finds no statistics (TensorFlow turns oneDNN on by default on
+    # some CPUs: there the statistics exist).
+    try:
+        tf.config.experimental.get_memory_info("CPU:0")
+    except ValueError:
+        pass
+    else:
+        pytest.skip("this process has CPU allocator statistics (oneDNN on)")
     model = _compiled(tf.distribute.get_strategy())
     with pytest.raises(
         AllocatorStatsUnavailable,
@@ -361,8 +372,10 @@ def test_real_peaks_of_a_cnn_and_an_mlp():
     """For a CNN and an MLP on CPU with oneDNN allocator statistics: the
     fitted line's peak at the chosen batch is within 15% of the measured
     one, and the chosen batch is the largest whose measured peak stays
-    under the budget, within one probe step (~3%): it fits, the bracket's
-    upper end does not, and nothing larger was seen to fit. Re-measured
+    under the budget less the safety margin, within one probe step (~3%;
+    a few where the fitted line's peak had to be kept within it too): it
+    fits, the bracket's upper end does not, and nothing above it was seen
+    to fit. Re-measured
     with the same copy after the search, the answer's peak stays within
     the ~15% the allocator's figures drift with the process's history, and
     a batch 25% larger does not fit."""
@@ -373,7 +386,9 @@ def test_real_peaks_of_a_cnn_and_an_mlp():
     )
     assert set(results) == {"cnn", "mlp"}
     for name, r in results.items():
-        budget = r["budget_mb"]
+        # What the steps had to fit: the budget less the safety margin.
+        budget = r["search_budget_mb"]
+        assert budget == pytest.approx(0.9 * r["budget_mb"])
         assert r["limited_by"] == "memory", (name, r)
         relative = (
             abs(r["peak_mb"] - r["measured_peak_mb"]) / (r["measured_peak_mb"])
@@ -383,11 +398,42 @@ def test_real_peaks_of_a_cnn_and_an_mlp():
         peaks = dict((b, p) for b, p in r["measurements"])
         assert peaks[r["batch_size"]] == r["measured_peak_mb"]
         assert peaks[r["upper_bound"]] > budget, (name, r)
-        assert r["upper_bound"] - r["batch_size"] <= r["resolution"], r
+        # One probe step (~3%), or a few where the answer stepped down to
+        # keep the fitted line's peak within the budget too.
+        assert r["upper_bound"] - r["batch_size"] <= 4 * r["resolution"], r
+        assert r["peak_mb"] <= budget, (name, r)
         assert not [
-            b for b, p in peaks.items() if r["batch_size"] < b and (p <= budget)
-        ], (name, r)  # nothing larger was seen to fit
+            b for b, p in peaks.items() if r["upper_bound"] < b and p <= budget
+        ], (name, r)  # nothing above the bracket was seen to fit
         again, above = r["remeasured"]
         assert again <= 1.15 * budget, (name, r)
         assert above > budget, (name, r)
         assert r["per_sample_mb"] > 0 and r["fixed_mb"] < budget
+
+
+@pytest.mark.slow
+def test_the_answer_fits_when_a_fresh_process_trains_at_it():
+    """The user's view of the budget: `fit` at the answer, in a process of
+    its own, stays within the budget at every step (the first, which
+    traces, and the steady state, whose peaks spread over ~10%). Issue 19:
+    the old answer (2299 for 148 MB on this MLP) peaked at 152 MB there.
+    The reported peak never exceeds the budget either."""
+    from batch_size import probe_bodies
+
+    env = {"TF_ENABLE_ONEDNN_OPTS": "1"}
+    found = run_in_process(
+        "batch_size.probe_bodies:find_for_fresh_fit", timeout=300, env=env
+    )
+    budget = probe_bodies.FRESH_BUDGET_MB
+    assert found["budget_mb"] == budget
+    assert found["measured_peak_mb"] <= found["search_budget_mb"], found
+    assert found["peak_mb"] <= found["search_budget_mb"], found
+    trained = run_in_process(
+        "batch_size.probe_bodies:fresh_fit_peaks",
+        timeout=300,
+        args=(found["batch_size"],),
+        env=env,
+    )
+    peaks = trained["peaks"]
+    assert len(peaks) == probe_bodies.FRESH_STEPS
+    assert max(peaks) <= budget, (found, peaks)

@@ -9,6 +9,9 @@ import pytest
 from _processes import run_workers
 from batch_size.probe_bodies import WORKER_BUDGETS_MB, WORKER_GLOBAL_BATCH
 
+from keras_mgpu.batch_size.finder import SAFETY_MARGIN
+from keras_mgpu.batch_size.search import resolution
+
 
 @pytest.mark.slow
 def test_workers_agree_on_the_smallest_answer():
@@ -25,12 +28,17 @@ def test_workers_agree_on_the_smallest_answer():
     assert own[1] < own[0]  # worker 1 has the smaller budget
     for index, result in enumerate(results):
         assert result["device"] == "CPU:0"
+        budget = WORKER_BUDGETS_MB[index] * (1 - SAFETY_MARGIN)
         fitting = [
             b
             for b, peak in result["own_measurements"]
-            if peak is not None and peak <= WORKER_BUDGETS_MB[index]
+            if peak is not None and peak <= budget
         ]
-        assert max(fitting) == own[index]
+        # The largest that fits, or one a step or two below it where the
+        # fitted line's peak had to be kept within the budget too.
+        assert own[index] in fitting
+        step = resolution(own[index], 1)
+        assert max(fitting) - own[index] <= 2 * step, (index, result)
     # ...and all got the same setup, from the smallest answer.
     for key in (
         "batch_size",

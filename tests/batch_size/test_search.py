@@ -67,11 +67,35 @@ def test_finds_the_largest_batch_within_one_step(curve):
         assert outcome.best.peak_mb == curve(best)
         assert outcome.limited_by == "memory"
         # The bracket is one resolution step (~3%) wide, and its upper end
-        # really fails.
+        # really fails; where the fitted line put that lower end above the
+        # budget, the answer steps down to where the line meets it (see
+        # test_the_reported_peak_never_exceeds_the_budget).
+        steps = 2
         assert curve(outcome.upper_bound) > budget
-        assert outcome.upper_bound - best <= resolution(best, 1)
-        assert true - best <= resolution(best, 1), (budget, best, true)
+        assert outcome.upper_bound - best <= steps * resolution(best, 1)
+        assert true - best <= steps * resolution(best, 1), (budget, best, true)
+        assert outcome.predicted_peak_mb <= budget
         assert len(outcome.measurements) <= 12
+
+
+def concave(batch):
+    # Workspace that grows slower than the batch: a line fitted near the
+    # answer lies above the curve at its ends.
+    return 20.0 + 4.0 * math.sqrt(batch)
+
+
+@pytest.mark.parametrize("curve", [concave, staircase, jump])
+def test_the_reported_peak_never_exceeds_the_budget(curve):
+    """The answer's reported peak (the fitted line's) is within the budget,
+    as its measured peak is, and the answer stays within a few probe
+    steps of the true largest batch."""
+    for budget in (60.0, 100.0, 140.0, 300.0, 1000.0):
+        outcome = search_batch_size(_measure(curve), budget)
+        best = outcome.best.batch_size
+        assert outcome.best.peak_mb <= budget
+        assert outcome.predicted_peak_mb <= budget, (budget, outcome)
+        true = _true_largest(curve, budget)
+        assert true - best <= 4 * resolution(best, 1), (budget, best, true)
 
 
 def test_linear_memory_is_found_exactly_in_few_steps():

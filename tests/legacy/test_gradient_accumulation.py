@@ -475,3 +475,46 @@ def test_momentum_correction_matches_rate_free_momentum(strategy_name):
         make_strategy(strategy_name), 2, correction=True, nesterov=False
     )
     np.testing.assert_allclose(weights, expected, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_ema_through_the_wrapper_matches_large_batch(policy):
+    """tf_keras has no `SwapEMAWeights`; its EMA surface is `use_ema` (which
+    its `LossScaleOptimizer` forwards to the optimizer it wraps) and
+    `finalize_variable_values` at the end of `fit`, which writes the
+    averages into the model. Through the wrapper (and, under
+    mixed_float16, the `LossScaleOptimizer` around it), both equal the
+    plain optimizer with EMA on the large batch."""
+
+    def inner():
+        return keras.optimizers.SGD(
+            0.05, momentum=0.9, use_ema=True, ema_momentum=0.5
+        )
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        reference = mlp()
+        reference.compile(optimizer=inner(), loss="mse")
+        _fit(reference, batch_size=ACCUMULATION * MICRO_BATCH)
+        model = mlp()
+        model.compile(
+            optimizer=GradientAccumulationOptimizer(inner(), ACCUMULATION),
+            loss="mse",
+        )
+        assert model.optimizer.use_ema is True
+        _fit(model)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    wrapper = model.optimizer
+    if policy == "mixed_float16":
+        assert isinstance(wrapper, keras.mixed_precision.LossScaleOptimizer)
+        wrapper = wrapper.inner_optimizer
+    averages = wrapper._model_variables_moving_average
+    assert averages is wrapper.inner_optimizer._model_variables_moving_average
+    # `fit` ended on the averages, as the plain optimizer's did.
+    for weight, average in zip(model.trainable_variables, averages):
+        np.testing.assert_array_equal(weight.numpy(), average.numpy())
+    tolerance = 1e-5 if policy == "float32" else 2e-3
+    assert_weights_close(
+        model.get_weights(), reference.get_weights(), rtol=0, atol=tolerance
+    )

@@ -77,11 +77,6 @@ _BUILTIN_STATE = (
     "(`_accumulated_gradients`, `_iterations`), which the wrapper replaces; "
     "the updates themselves are checked by the weight-decay cases"
 )
-_SWAP_EMA = (
-    "Keras's SwapEMAWeights looks through a top-level wrapper "
-    "(`inner_optimizer`) but reads `use_ema` directly on a MultiOptimizer's "
-    "sub-optimizers, so it cannot find EMA in a wrapped sub-optimizer"
-)
 
 # Case id (module:Class.method, module relative to ORACLE_PACKAGE) -> why
 # it cannot pass through the wrapper. The same at every K.
@@ -101,8 +96,9 @@ KNOWN_DIFFERENCES = {
     "multi_optimizer_test:MultiOptimizerTest."
     "test_tensorboard_logging_with_multi_optimizer": _NOT_AN_INSTANCE
     + " (the logged learning-rate key carries the sub-optimizer's name)",
-    "multi_optimizer_test:MultiOptimizerTest."
-    "test_swap_ema_weights_with_multi_optimizer": _SWAP_EMA,
+    # test_swap_ema_weights_with_multi_optimizer passes since the wrapper
+    # shows its inner's `use_ema` and averages (SwapEMAWeights reads them
+    # on a MultiOptimizer's sub-optimizers).
     "optimizer_test:OptimizerTest.test_gradient_accumulation": _BUILTIN_STATE,
     "optimizer_test:OptimizerTest."
     "test_overwrite_with_gradient_with_gradient_accumulation": _BUILTIN_STATE,
