@@ -360,6 +360,22 @@ def test_fit_with_jit_compile_and_mixed_precision_matches_plain():
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
 
 
+def test_fit_run_eagerly_trains_like_plain():
+    """The eager forward runs with the outer tape paused; the gradients
+    (dropout replayed) stay those of the plain model."""
+    x, y = np.tile(X, (2, 1)), np.tile(X[:, :1], (2, 1))
+    weights = []
+    for switch in (False, True):
+        model = user_model()
+        if switch:
+            apply_recompute(model, keras.Sequential, in_place=True)
+        model.compile(keras.optimizers.SGD(0.05), loss="mse", run_eagerly=True)
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        weights.append([np.asarray(w.numpy()) for w in model.weights])
+    for a, b in zip(*weights, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize(
     "strategy_name", ["default", "mirrored_2", "central_storage"]
 )
