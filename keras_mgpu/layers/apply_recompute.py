@@ -263,17 +263,22 @@ def apply_recompute(
 
     Args:
         model: a `keras.Model`. `in_place=False`: Sequential or functional.
-        layers: which layers to choose (default None: every layer of the
-            model's top level but the inputs). A layer name, a layer class
-            (matched with `isinstance`), a predicate `fn(layer) -> bool`, or
-            a list mixing those (a layer is chosen when any item matches).
-            In place, names may be those of nested layers.
+        layers: which layers to choose (default None: every layer but
+            the inputs; the outermost are chosen, so that is the model's top
+            level, unless `group_by` maps a layer to None, in which case its
+            sublayers are searched: nested functional or Sequential models,
+            keras-hub backbones, the stages of a placed model). A layer
+            name, a layer class (matched with `isinstance`), a predicate
+            `fn(layer) -> bool`, or a list mixing those (a layer is chosen
+            when any item matches). In place, names may be those of nested
+            layers; the rebuild only reaches the model's own layers.
         policy: str, `"per_layer"` (default) or `"sqrt"`.
         in_place: bool, default False. Switch the layers of `model` itself
             instead of returning a rebuilt model.
         group_by: optional `fn(layer) -> key` (in place only). Chosen layers
             with a key other than None are grouped as described above;
-            layers it maps to None are not chosen.
+            layers it maps to None are not chosen (with `layers=None`,
+            their sublayers are searched instead).
 
     Returns:
         `model` itself (`in_place=True`) or a new model of the same class.
@@ -324,10 +329,11 @@ def _apply_in_place(
     model: Any, layers: LayerSelector, policy: str, group_by: Callable | None
 ) -> Any:
     known = {layer.name for layer in _walk(model)}
+    # layers=None matches every layer; the outermost are chosen, so without
+    # `group_by` that is the top level, and with it the search goes down
+    # into every sub-model whose own key is None (the blocks of a backbone
+    # inside a classifier, the stages of a placed model).
     match = _matcher(layers, known, model.name)
-    if layers is None:
-        top = {id(layer) for layer in _sublayers(model)}
-        match = lambda layer: id(layer) in top  # noqa: E731
     if group_by is not None:
         selected = match
         match = lambda layer: selected(layer) and group_by(layer) is not None  # noqa: E731
@@ -335,9 +341,10 @@ def _apply_in_place(
     if not chosen:
         raise ValueError(
             f"No layer of model {model.name!r} matched argument `layers` "
-            "(input layers, RecomputeGrad wrappers, layers already "
-            "recomputed in place and layers `group_by` maps to None are "
-            f"never chosen). Received: layers={layers!r}"
+            "anywhere in its layer tree, nested models included (input "
+            "layers, RecomputeGrad wrappers, layers already recomputed in "
+            "place and layers `group_by` maps to None are never chosen). "
+            f"Received: layers={layers!r}, group_by={group_by!r}"
         )
     for layer in chosen:
         check_replayable(
