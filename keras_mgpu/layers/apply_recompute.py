@@ -617,9 +617,4 @@ def recomputed_layers(model: Any) -> list:
     return found
 
 
-__all__ = [
-    "apply_recompute",
-    "carry_recompute",
-    "recomputed_layers",
-    "strip_recompute",
-]
+__all__ = ["apply_recompute", "recomputed_layers", "strip_recompute"]
