@@ -220,8 +220,10 @@ def main() -> None:
     if args.quick:
         args.blocks, args.width, args.batch = 12, 128, 512
         args.rounds, args.steps = 3, 2
-    if args.deep:
-        args.blocks, args.depth, args.width, args.batch = 8, 4, 1536, 1024
+    if args.deep:  # the deep MLP, unless sizes are given
+        args.depth = args.depth or 4
+        args.blocks = 8 if args.blocks == 24 else args.blocks
+        args.width = 1536 if args.width == 256 else args.width
     if args.child:
         print(json.dumps(memory_child(args)))
         return
