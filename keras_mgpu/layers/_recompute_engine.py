@@ -153,6 +153,24 @@ def in_symbolic_build() -> bool:
     return in_symbolic_scope()
 
 
+def tapes_paused() -> Any:
+    """A context in which no gradient tape of this thread records.
+
+    `tf.custom_gradient` runs its function eagerly with the caller's tapes
+    recording (TensorFlow 2.21 `custom_gradient._eager_mode_decorator`):
+    every op of the forward pass lands on the outer `GradientTape`, which
+    keeps the activations alive until it is deleted, so nothing would be
+    saved in an eager step. `tf.recompute_grad` pauses the tapes around its
+    forward with TensorFlow's private `record.stop_recording` (read in
+    `tensorflow/python/ops/custom_gradient.py`, 2.21); the same context is
+    used here. Variable reads are still seen by `custom_gradient`'s
+    `VariableWatcher`, which is not a tape.
+    """
+    from tensorflow.python.eager import record
+
+    return record.stop_recording()
+
+
 # ---------------------------------------------------------------------------
 
 
@@ -219,7 +237,10 @@ def recompute(
 
     @tf.custom_gradient
     def run(*diff_args):
-        outputs = forward(substitute(diff_args))
+        # Nothing inside the forward is recorded: the backward pass
+        # differentiates the recomputation (see `tapes_paused`).
+        with tapes_paused():
+            outputs = forward(substitute(diff_args))
         flat_outputs = tf.nest.flatten(outputs)
         # Only tensors cross the custom-gradient boundary; None and Python
         # values in the output structure are passed around it.

@@ -21,13 +21,16 @@ from keras_mgpu.layers import _rebuild
 from keras_mgpu.layers._recompute_engine import check_replayable
 from keras_mgpu.layers.recompute_grad import RecomputeGrad
 from keras_mgpu.layers.recompute_in_place import (
+    execution_order,
     graph_of,
     is_recomputed_in_place,
+    is_switched_per_layer,
     recompute_layer_in_place,
     recompute_segments_in_place,
     reset_compiled_functions,
     restore_graph,
     restore_layer,
+    segment_plan_nodes,
     sqrt_segments,
     units_of,
 )
@@ -263,17 +266,22 @@ def apply_recompute(
 
     Args:
         model: a `keras.Model`. `in_place=False`: Sequential or functional.
-        layers: which layers to choose (default None: every layer of the
-            model's top level but the inputs). A layer name, a layer class
-            (matched with `isinstance`), a predicate `fn(layer) -> bool`, or
-            a list mixing those (a layer is chosen when any item matches).
-            In place, names may be those of nested layers.
+        layers: which layers to choose (default None: every layer but
+            the inputs; the outermost are chosen, so that is the model's top
+            level, unless `group_by` maps a layer to None, in which case its
+            sublayers are searched: nested functional or Sequential models,
+            keras-hub backbones, the stages of a placed model). A layer
+            name, a layer class (matched with `isinstance`), a predicate
+            `fn(layer) -> bool`, or a list mixing those (a layer is chosen
+            when any item matches). In place, names may be those of nested
+            layers; the rebuild only reaches the model's own layers.
         policy: str, `"per_layer"` (default) or `"sqrt"`.
         in_place: bool, default False. Switch the layers of `model` itself
             instead of returning a rebuilt model.
         group_by: optional `fn(layer) -> key` (in place only). Chosen layers
             with a key other than None are grouped as described above;
-            layers it maps to None are not chosen.
+            layers it maps to None are not chosen (with `layers=None`,
+            their sublayers are searched instead).
 
     Returns:
         `model` itself (`in_place=True`) or a new model of the same class.
@@ -324,10 +332,11 @@ def _apply_in_place(
     model: Any, layers: LayerSelector, policy: str, group_by: Callable | None
 ) -> Any:
     known = {layer.name for layer in _walk(model)}
+    # layers=None matches every layer; the outermost are chosen, so without
+    # `group_by` that is the top level, and with it the search goes down
+    # into every sub-model whose own key is None (the blocks of a backbone
+    # inside a classifier, the stages of a placed model).
     match = _matcher(layers, known, model.name)
-    if layers is None:
-        top = {id(layer) for layer in _sublayers(model)}
-        match = lambda layer: id(layer) in top  # noqa: E731
     if group_by is not None:
         selected = match
         match = lambda layer: selected(layer) and group_by(layer) is not None  # noqa: E731
@@ -335,9 +344,10 @@ def _apply_in_place(
     if not chosen:
         raise ValueError(
             f"No layer of model {model.name!r} matched argument `layers` "
-            "(input layers, RecomputeGrad wrappers, layers already "
-            "recomputed in place and layers `group_by` maps to None are "
-            f"never chosen). Received: layers={layers!r}"
+            "anywhere in its layer tree, nested models included (input "
+            "layers, RecomputeGrad wrappers, layers already recomputed in "
+            "place and layers `group_by` maps to None are never chosen). "
+            f"Received: layers={layers!r}, group_by={group_by!r}"
         )
     for layer in chosen:
         check_replayable(
@@ -398,8 +408,27 @@ def _apply_segments(
     return placed
 
 
+def _check_not_placed(model: Any) -> None:
+    """A rebuild would wrap placed layers (and a pipelined model's
+    micro-batch split, stages and concatenation) in `RecomputeGrad`."""
+    if IS_TF_KERAS:
+        return  # Placement is Keras 3 only.
+    from keras_mgpu.placement.placed_layer import PlacedLayer
+
+    if any(isinstance(layer, PlacedLayer) for layer in _walk(model)):
+        raise ValueError(
+            f"Model {model.name!r} is placed (`apply_placement`); a rebuild "
+            "would wrap its placed layers, and a pipelined model's "
+            "micro-batch split and stages, in RecomputeGrad. Pass "
+            "in_place=True (its layers are recomputed on their devices), or "
+            "call `apply_recompute` before `apply_placement`. Received: "
+            "in_place=False"
+        )
+
+
 def _apply_rebuild(model: Any, layers: LayerSelector, policy: str) -> Any:
     _check_rebuildable(model, "apply_recompute")
+    _check_not_placed(model)
     switched = [
         layer for layer in _walk(model) if is_recomputed_in_place(layer)
     ]
@@ -454,6 +483,76 @@ def _restore_in_place(root: Any) -> bool:
         if graph is not None and restore_graph(graph):
             restored = True
     return restored
+
+
+def _carry_segments(source: Any, target: Any, what: str) -> None:
+    """Plan in graph `target` the segments planned in graph `source`, node
+    for node, matched by operation name (a copy made from the config, or
+    a placed copy whose `PlacedLayer`s carry the wrapped layers' names)."""
+    plan = segment_plan_nodes(source)
+    if not plan:
+        return
+    by_name: dict = {}
+    for node in execution_order(target):
+        by_name.setdefault(node.operation.name, []).append(node)
+    position = {id(node): i for i, node in enumerate(execution_order(target))}
+    segments = []
+    for nodes in plan:
+        names = [node.operation.name for node in nodes]
+        mapped = [by_name.get(name, []) for name in names]
+        if any(len(found) != 1 for found in mapped):
+            raise ValueError(
+                f"{what}: the recomputed segment {names[:4]}... of "
+                f"{source.name!r} has no single counterpart in the copy "
+                f"{target.name!r}. Call `keras_mgpu.strip_recompute` first "
+                "and apply it again to the result."
+            )
+        copy = [found[0] for found in mapped]
+        spots = [position[id(node)] for node in copy]
+        if spots != list(range(spots[0], spots[0] + len(spots))):
+            raise ValueError(  # pragma: no cover - clone keeps node order
+                f"{what}: the recomputed segment {names[:4]}... of "
+                f"{source.name!r} is not consecutive in the copy "
+                f"{target.name!r}. Call `keras_mgpu.strip_recompute` first "
+                "and apply it again to the result."
+            )
+        segments.append(copy)
+    recompute_segments_in_place(target, segments)
+
+
+def carry_recompute(
+    pairs: Iterable[tuple[Any, Any]], graphs: tuple[Any, Any] | None, what: str
+) -> None:
+    """Switch in a copy of a model what `apply_recompute(..., in_place=True)`
+    switched in the original (placement rebuilds models from their
+    configs, which carry none of it).
+
+    Args:
+        pairs: (original layer, its copy made from the original's config):
+            switches anywhere under the original are carried to the layer
+            at the same place under the copy (the two trees match).
+        graphs: (original top-level graph, copy's top-level graph), whose
+            segments are carried node by node (matched by name), or None.
+        what: the operation, for errors.
+    """
+    for source, copy in pairs:
+        sources, copies = [source, *_walk(source)], [copy, *_walk(copy)]
+        names = [layer.name for layer in sources]
+        if names != [layer.name for layer in copies]:
+            raise ValueError(  # pragma: no cover - from_config keeps them
+                f"{what}: the copy of layer {source.name!r} has other "
+                "sublayers than the original; its recompute switches cannot "
+                "be carried over. Call `keras_mgpu.strip_recompute` first and "
+                "apply it again to the result."
+            )
+        for original, twin in zip(sources, copies, strict=True):
+            if is_switched_per_layer(original):
+                recompute_layer_in_place(twin)
+            graph, twin_graph = graph_of(original), graph_of(twin)
+            if graph is not None and twin_graph is not None:
+                _carry_segments(graph, twin_graph, what)
+    if graphs is not None and graphs[0] is not None and graphs[1] is not None:
+        _carry_segments(graphs[0], graphs[1], what)
 
 
 def strip_recompute(model: Any) -> Any:

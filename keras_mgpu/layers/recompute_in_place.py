@@ -78,6 +78,11 @@ def is_recomputed_in_place(layer: Any) -> bool:
     )
 
 
+def is_switched_per_layer(layer: Any) -> bool:
+    """Whether `layer`'s own `call` is switched (not as a segment member)."""
+    return bool(getattr(layer.__dict__.get("call"), _CALL_MARK, False))
+
+
 def _run_recomputed(layer: Any, class_call: Any, args, kwargs) -> Any:
     original = functools.partial(class_call, layer)
     if id(layer) in _bypassed_ids() or in_symbolic_build():
@@ -272,6 +277,16 @@ def restore_graph(graph: Any) -> list:
     return members
 
 
+def segment_plan_nodes(graph: Any) -> list[list]:
+    """The nodes of each recomputed segment of `graph`, in plan order."""
+    return [list(nodes) for nodes, _ in graph.__dict__.get(_PLAN, {}).values()]
+
+
+def execution_order(graph: Any) -> list:
+    """The nodes of `graph` in the order its runner visits them."""
+    return _execution_order(graph)
+
+
 def segment_plan(model: Any) -> list[list]:
     """The layers of each recomputed segment of the functional graph that
     runs `model`'s own layers (empty if none)."""
@@ -358,10 +373,13 @@ __all__ = [
     "units_of",
     "graph_of",
     "is_recomputed_in_place",
+    "is_switched_per_layer",
     "recompute_layer_in_place",
     "recompute_segments_in_place",
     "reset_compiled_functions",
     "restore_graph",
     "restore_layer",
     "segment_plan",
+    "segment_plan_nodes",
+    "execution_order",
 ]

@@ -13,6 +13,12 @@ from typing import Any, Union
 
 from keras_mgpu._flavour import keras_of
 from keras_mgpu._validation import check_int
+from keras_mgpu.layers.apply_recompute import carry_recompute
+from keras_mgpu.layers.recompute_in_place import (
+    graph_of,
+    is_switched_per_layer,
+    recompute_layer_in_place,
+)
 from keras_mgpu.placement import _graph
 from keras_mgpu.placement.devices import check_strategy, variables_on
 from keras_mgpu.placement.partition import assign_devices
@@ -145,9 +151,18 @@ def apply_placement(
     Random layers draw per micro-batch, and BatchNormalization normalises
     and updates its statistics per micro-batch (M updates per step), as
     under gradient accumulation. Training batches need at least M
-    examples. Combine with `apply_recompute` before placing for GPipe's
-    re-materialisation: each `RecomputeGrad` block is placed whole and
-    recomputed on its device.
+    examples.
+
+    Recompute (GPipe's re-materialisation) composes in either order.
+    Layers recomputed in place (`apply_recompute(..., in_place=True)`)
+    stay recomputed: a switched layer is switched in its placed copy and
+    recomputed on its device; a segment of the top-level graph (`group_by`,
+    `policy="sqrt"`) becomes a segment of the placed layers, recomputed as
+    one unit (once per micro-batch), each part on its device. A placed
+    model can be recomputed in place afterwards too (`layers=None` with
+    `group_by` finds the layers inside a pipelined model's stages). A
+    model rebuilt by `apply_recompute` is placed with each `RecomputeGrad`
+    block whole.
 
     Args:
         model: a built `Sequential` or functional Keras 3 model (not
@@ -210,16 +225,38 @@ def apply_placement(
     device_of = {layer.name: d for layer, d in zip(placeable, device_list)}
     stages = _place_layers(functional, device_of)
     if not micro_batches or micro_batches == 1:
-        return PlacedModel(stages.input, stages.output, name=model.name)
-    stages = keras.Model(
-        stages.input, stages.output, name=f"{model.name}_stages"
-    )
-    last = {
-        name: device_of.get(name, device_list[-1])
-        for name in stages.output_names
-    }
-    inputs, outputs = pipelined(stages, micro_batches, device_list[0], last)
-    return PlacedModel(inputs, outputs, name=model.name)
+        placed = PlacedModel(stages.input, stages.output, name=model.name)
+    else:
+        stages = keras.Model(
+            stages.input, stages.output, name=f"{model.name}_stages"
+        )
+        last = {
+            name: device_of.get(name, device_list[-1])
+            for name in stages.output_names
+        }
+        inputs, outputs = pipelined(stages, micro_batches, device_list[0], last)
+        placed = PlacedModel(inputs, outputs, name=model.name)
+    _carry_recompute(model, placeable, placed, "apply_placement")
+    return placed
+
+
+def _carry_recompute(
+    source: Any, layers: list, placed: Any, function: str
+) -> None:
+    """Recompute in `placed` what `apply_recompute(..., in_place=True)`
+    switched in `source` (rebuilding from configs drops it): each layer
+    switched anywhere inside a placed layer is switched in its copy, which
+    its `PlacedLayer` calls (the recomputation runs on the device); each
+    recomputed segment of the top-level graph becomes a segment of the
+    `PlacedLayer`s of its layers, run as one recomputed unit (with
+    `micro_batches`, once per micro-batch)."""
+    stage_graph = _stage_graph(placed)
+    pairs = [
+        (layer, stage_graph.get_layer(layer.name).layer)
+        for layer in layers
+        if isinstance(layer, keras.layers.Layer)
+    ]
+    carry_recompute(pairs, (graph_of(source), stage_graph), function)
 
 
 def strip_placement(model: Any) -> Any:
@@ -229,7 +266,8 @@ def strip_placement(model: Any) -> Any:
     fresh copy of the layer it wraps (its variables on the default device)
     and the weights are copied, so the result computes what the placed
     model computes (without micro-batches). A `Sequential` that was placed
-    comes back as the equivalent functional model.
+    comes back as the equivalent functional model. Layers recomputed in
+    place stay recomputed (see `apply_placement`).
 
     Args:
         model: a model returned by `apply_placement` (or loaded from its
@@ -261,9 +299,23 @@ def strip_placement(model: Any) -> Any:
         return _fresh_copy(layer)
 
     clone = _graph.rebuild(_graph.as_functional(stages), clone_function)
-    for layer in _placed_layers(stages):
+    placed_layers = _placed_layers(stages)
+    for layer in placed_layers:
         _copy_variables(layer.layer, clone.get_layer(layer.name))
-    return keras.Model(clone.input, clone.output, name=model.name)
+    plain = keras.Model(clone.input, clone.output, name=model.name)
+    # Recompute switches come back with the plain layers: a switched
+    # PlacedLayer switches its plain copy, switches inside it are carried
+    # to the copy's sublayers, segments of PlacedLayers become segments of
+    # the plain layers.
+    pairs = []
+    for layer in placed_layers:
+        copy = plain.get_layer(layer.name)
+        if is_switched_per_layer(layer):
+            recompute_layer_in_place(copy)
+        else:
+            pairs.append((layer.layer, copy))
+    carry_recompute(pairs, (stages, plain), "strip_placement")
+    return plain
 
 
 __all__ = [

@@ -338,6 +338,36 @@ def test_group_by_recomputes_residual_blocks_of_a_flat_model():
     assert_identical(step(model, compiled=True), step(plain, compiled=True))
 
 
+def classifier_around_flat_residual() -> keras.Model:
+    """`flat_residual` nested inside a user classifier."""
+    body = flat_residual()
+    inputs = keras.Input((6,))
+    return keras.Model(inputs, keras.layers.Dense(2, name="cls")(body(inputs)))
+
+
+def test_group_by_with_default_layers_finds_blocks_in_a_nested_model():
+    """layers=None searches the whole tree: the nested model and the head
+    map to None, so the blocks inside the nested graph are grouped."""
+    plain, model = (
+        classifier_around_flat_residual(),
+        classifier_around_flat_residual(),
+    )
+    apply_recompute(model, in_place=True, group_by=block_key)
+    body = model.layers[1]
+    assert [len(s) for s in segment_plan(body)] == [5, 5, 5]
+    assert segment_plan(model) == []
+    for compiled in (False, True):
+        assert_identical(
+            step(model, compiled=compiled), step(plain, compiled=compiled)
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"anywhere in its layer tree, nested models included .* "
+        r"Received: layers=None, group_by=",
+    ):
+        apply_recompute(model, in_place=True, group_by=lambda layer: None)
+
+
 def test_fit_with_jit_compile_and_mixed_precision_matches_plain():
     x, y = np.tile(X, (2, 1)), np.tile(X[:, :1], (2, 1))
     keras.mixed_precision.set_dtype_policy("mixed_float16")
@@ -358,6 +388,22 @@ def test_fit_with_jit_compile_and_mixed_precision_matches_plain():
         assert np.all(np.isfinite(b))
         # XLA may fuse the two graphs differently.
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
+
+
+def test_fit_run_eagerly_trains_like_plain():
+    """The eager forward runs with the outer tape paused; the gradients
+    (dropout replayed) stay those of the plain model."""
+    x, y = np.tile(X, (2, 1)), np.tile(X[:, :1], (2, 1))
+    weights = []
+    for switch in (False, True):
+        model = user_model()
+        if switch:
+            apply_recompute(model, keras.Sequential, in_place=True)
+        model.compile(keras.optimizers.SGD(0.05), loss="mse", run_eagerly=True)
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        weights.append([np.asarray(w.numpy()) for w in model.weights])
+    for a, b in zip(*weights, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize(

@@ -97,6 +97,47 @@ def test_bert_classifier_bit_identical_with_dropout(compiled):
         )
 
 
+def resnet_classifier(seed: int = 7) -> keras.Model:
+    """A user classifier around a tiny 2-stage keras-hub `ResNetBackbone`."""
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.ResNetBackbone(
+        input_conv_filters=[64],
+        input_conv_kernel_sizes=[3],
+        stackwise_num_filters=[64, 32],
+        stackwise_num_blocks=[2, 2],
+        stackwise_num_strides=[1, 2],
+        block_type="basic_block",
+        use_pre_activation=False,
+        image_shape=(16, 16, 3),
+    )
+    inputs = keras.Input((16, 16, 3))
+    h = keras.layers.GlobalAveragePooling2D(name="pool")(backbone(inputs))
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+
+
+def resnet_block(layer) -> str | None:
+    """`stack0_block1` for the layers of that residual block, else None."""
+    parts = layer.name.split("_")
+    return "_".join(parts[:2]) if parts[0].startswith("stack") else None
+
+
+def test_resnet_blocks_inside_a_classifier_with_default_layers():
+    x = np.random.default_rng(2).normal(size=(4, 16, 16, 3)).astype("float32")
+    plain, model = resnet_classifier(), resnet_classifier()
+    apply_recompute(model, in_place=True, group_by=resnet_block)
+    backbone = model.layers[1]
+    assert [
+        {resnet_block(layer) for layer in s} for s in segment_plan(backbone)
+    ] == [
+        {"stack0_block0"},
+        {"stack0_block1"},
+        {"stack1_block0"},
+        {"stack1_block1"},
+    ]
+    for compiled in (False, True):
+        assert_identical(step(model, x, compiled), step(plain, x, compiled))
+
+
 def test_gpt2_sqrt_policy_on_the_decoder_stack():
     plain, lm = gpt2_lm(), gpt2_lm()
     apply_recompute(

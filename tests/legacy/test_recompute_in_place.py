@@ -88,6 +88,37 @@ def test_nested_block_gradients_identical(compiled):
     assert recomputed_layers(model) == []
 
 
+def test_fit_run_eagerly_trains_like_plain():
+    """The eager forward runs with the outer tape paused; gradients and
+    BatchNormalization statistics stay those of the plain model."""
+    weights = []
+    for switch in (False, True):
+        model = nested_model()
+        if switch:
+            apply_recompute(model, "block", in_place=True)
+        model.compile(keras.optimizers.SGD(0.05), loss="mse", run_eagerly=True)
+        model.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        weights.append(model.get_weights())
+    assert_weights_close(weights[1], weights[0])
+
+
+@pytest.mark.slow
+def test_peak_memory_eager_tf_function_and_fit_run_eagerly():
+    """The allocator peak of a step shrinks in an eager custom loop, under
+    tf.function and in fit(run_eagerly=True) (oneDNN on, a process of its
+    own; see tests/layers/test_recompute_memory.py)."""
+    from _processes import run_in_process
+    from layers.memory_bodies import assert_recompute_saves_memory
+
+    peaks = run_in_process(
+        "layers.memory_bodies:step_peaks",
+        timeout=240,
+        env={"TF_ENABLE_ONEDNN_OPTS": "1", "TF_USE_LEGACY_KERAS": "1"},
+    )
+    assert set(peaks) == {"eager", "tf_function", "fit_run_eagerly"}
+    assert_recompute_saves_memory(peaks)
+
+
 @pytest.mark.parametrize("strategy_name", ["default", "mirrored_2"])
 def test_stateful_updates_run_once_per_step(strategy_name):
     from _recompute_state import assert_updates_run_once
