@@ -11,7 +11,6 @@ import numpy as np
 
 from keras_mgpu._flavour import tf
 from keras_mgpu._validation import check_int, check_number
-from keras_mgpu.batch_size import agreement
 from keras_mgpu.batch_size import memory_probe as probe_module
 from keras_mgpu.batch_size.samples import SampleBatches
 from keras_mgpu.batch_size.search import (
@@ -21,6 +20,7 @@ from keras_mgpu.batch_size.search import (
     search_batch_size,
 )
 from keras_mgpu.distribute import current_strategy, worker_info
+from keras_mgpu.distribute.collectives import gather_rows
 
 DEFAULT_MEMORY_FRACTION = 0.9
 # The search keeps each probe step's peak this fraction below the budget.
@@ -275,7 +275,7 @@ def probe_batch_size(
     except Exception as exc:  # shared with the other workers, then raised
         outcome, error = None, exc
     seconds = time.perf_counter() - start
-    rows = agreement.gather_rows(strategy, _to_row(outcome, budget_mb, seconds))
+    rows = gather_rows(strategy, _to_row(outcome, budget_mb, seconds))
     if error is not None:
         raise _explained(error, memory_fraction, memory_budget_mb, source)
     failed = [i for i, r in enumerate(rows) if not r[0]]

@@ -27,7 +27,7 @@ import threading
 import warnings
 from typing import Any
 
-from keras_mgpu.distribute.multi_worker_fit import MultiWorkerFitWarning
+from keras_mgpu.distribute.fit_warnings import MultiWorkerFitWarning
 from keras_mgpu.distribute.strategy import is_multi_worker
 
 _TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"

@@ -68,6 +68,8 @@ import threading
 import warnings
 from typing import Any
 
+from keras_mgpu.distribute.fit_warnings import MultiWorkerFitWarning
+
 # Keras versions whose code this fix was read from and tested with. What
 # decides whether it applies is the code itself: `enable_multi_worker_fit`
 # compares fingerprints of every Keras function it replaces or relies on
@@ -76,10 +78,6 @@ from typing import Any
 TESTED_KERAS_VERSIONS = ("3.10", "3.11", "3.12", "3.13", "3.14", "3.15")
 
 UPSTREAM_ISSUE = "https://github.com/keras-team/keras/issues/20585"
-
-
-class MultiWorkerFitWarning(UserWarning):
-    """A multi-worker `fit` runs, but not the way the user probably meant."""
 
 
 _LOCK = threading.Lock()

@@ -22,7 +22,7 @@ else:
     )
 
 
-def wrapper_class_for(inner_optimizer: Any) -> type | None:
+def _wrapper_class_for(inner_optimizer: Any) -> type | None:
     """The `GradientAccumulationOptimizer` class for `inner_optimizer`'s
     flavour (None when it belongs to neither)."""
     flavour = object_flavour(inner_optimizer)
@@ -37,4 +37,4 @@ def wrapper_class_for(inner_optimizer: Any) -> type | None:
     return None
 
 
-__all__ = ["GradientAccumulationOptimizer", "wrapper_class_for"]
+__all__ = ["GradientAccumulationOptimizer"]

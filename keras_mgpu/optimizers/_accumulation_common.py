@@ -338,9 +338,9 @@ class AccumulationProtocol:
     """
 
     def __new__(cls, inner_optimizer: Any = None, *args: Any, **kwargs: Any):
-        from keras_mgpu.optimizers import wrapper_class_for
+        from keras_mgpu.optimizers import _wrapper_class_for
 
-        target = wrapper_class_for(inner_optimizer)
+        target = _wrapper_class_for(inner_optimizer)
         # Only our own two classes redirect; a user's subclass keeps its
         # flavour (and its check names the mismatch).
         if (

@@ -6,14 +6,11 @@ from keras_mgpu.placement.apply_placement import (
     apply_placement,
     strip_placement,
 )
-from keras_mgpu.placement.pipeline import MicroBatchConcat, MicroBatchSplit
 from keras_mgpu.placement.placed_layer import PlacedLayer, PlacedOperation
 from keras_mgpu.placement.placed_model import PlacedModel
 from keras_mgpu.placement.report import placement_report
 
 __all__ = [
-    "MicroBatchConcat",
-    "MicroBatchSplit",
     "PlacedLayer",
     "PlacedModel",
     "PlacedOperation",

@@ -140,11 +140,11 @@ def test_dict_inputs_and_explanation(fake_allocator, capsys):
 def test_workers_take_the_smallest_answer(fake_allocator, monkeypatch):
     # The all-reduce itself runs in test_multi_worker.py; here another
     # worker's row is made up.
-    from keras_mgpu.batch_size import agreement
+    from keras_mgpu.batch_size import finder
 
     other = np.array([1, 150, 9.0, 0.4, 69.0, 68.0, 1e-4, 80.0, 155, 0, 2.0])
     monkeypatch.setattr(
-        agreement, "gather_rows", lambda strategy, row: np.stack([row, other])
+        finder, "gather_rows", lambda strategy, row: np.stack([row, other])
     )
     model = _compiled(tf.distribute.get_strategy())
     result = find_batch_size(model, (X, Y), memory_budget_mb=100.0)
@@ -160,7 +160,7 @@ def test_workers_take_the_smallest_answer(fake_allocator, monkeypatch):
     )
     # A worker whose probe failed fails every worker (none waits forever).
     monkeypatch.setattr(
-        agreement,
+        finder,
         "gather_rows",
         lambda strategy, row: np.stack([row, np.zeros_like(row)]),
     )

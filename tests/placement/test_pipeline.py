@@ -19,13 +19,12 @@ from _placement_helpers import (
 
 from keras_mgpu import _flavour
 from keras_mgpu.placement import (
-    MicroBatchSplit,
     PlacedModel,
     apply_placement,
     strip_placement,
 )
 from keras_mgpu.placement.apply_placement import micro_batches_of
-from keras_mgpu.placement.pipeline import micro_batch_sizes
+from keras_mgpu.placement.pipeline import MicroBatchSplit, micro_batch_sizes
 
 keras = _flavour.keras
 tf = _flavour.tf
