@@ -327,6 +327,14 @@ class GradientAccumulationOptimizer(
             effect only gradually. Use `accumulation_steps=1` to get the
             correction without accumulation. The last rate is kept in the
             optimizer variable `previous_learning_rate` (checkpointed).
+        compression: None (default), "float16", "bfloat16", a
+            `keras_mgpu.compression.PowerSGD(rank=...)` or another
+            `keras_mgpu.compression.GradientCompression`: the form in which
+            the window's mean gradient crosses devices and workers, once
+            per update (a no-op with one replica). Clipping and the
+            finiteness check apply to the decompressed mean; the method's
+            state (PowerSGD residuals and factors) is optimizer variables.
+            See the compression guide.
         name: Optional name; defaults to a name derived from the class.
 
     Example:

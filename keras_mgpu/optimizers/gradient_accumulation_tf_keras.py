@@ -126,6 +126,11 @@ class GradientAccumulationOptimizer(
             optimizer with momentum, rescale its velocity by
             `new_rate / previous_rate` when the learning rate changes
             (Goyal et al., 2017); see the Keras 3 class.
+        compression: None (default), "float16", "bfloat16", a
+            `keras_mgpu.compression.PowerSGD(rank=...)` or another
+            `keras_mgpu.compression.GradientCompression`: how the window's
+            mean gradient crosses devices and workers, once per update; see
+            the Keras 3 class.
         name: Optional name. Defaults to "GradientAccumulationOptimizer".
 
     Example:
