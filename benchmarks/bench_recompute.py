@@ -1,12 +1,12 @@
 """Benchmark: activation memory and step time of RecomputeGrad policies.
 
-A deep stack of MLP blocks (Dense 4w ReLU, Dense w, LayerNormalization;
-with `--deep`, `--depth` Dense w ReLU layers per block), trained with
+A deep stack of MLP blocks (Dense 4w ReLU, Dense w, LayerNormalization; with
+`--deep`, `--depth` Dense w ReLU layers per block), trained with
 `train_on_batch`, in five cases: no recompute, per-block recompute
-(`apply_recompute(model, blocks)`), the same in place
-(`apply_recompute(model, blocks, in_place=True)`), the sqrt(n) segment
-policy (`apply_recompute(model, blocks, policy="sqrt")`) and, side by side,
-each block called through TensorFlow's own `tf.recompute_grad`.
+(`apply_recompute(model, blocks, in_place=False)`), the same in place
+(`apply_recompute(model, blocks, in_place=True)`), the sqrt(n) segment policy
+(`apply_recompute(model, blocks, policy="sqrt", in_place=False)`) and, side by
+side, each block called through TensorFlow's own `tf.recompute_grad`.
 
 Step time: the three models live in one process and their steps are
 interleaved round by round (none, per_block, sqrt, none, ...), so a busy
@@ -108,11 +108,13 @@ def build_model(case: str, args: argparse.Namespace):
         return layer.name.startswith("block_")
 
     if case == "per_block":
-        model = apply_recompute(model, layers=is_block)
+        model = apply_recompute(model, layers=is_block, in_place=False)
     elif case == "in_place":
         apply_recompute(model, layers=is_block, in_place=True)
     elif case == "sqrt":
-        model = apply_recompute(model, layers=is_block, policy="sqrt")
+        model = apply_recompute(
+            model, layers=is_block, policy="sqrt", in_place=False
+        )
     model.compile(optimizer="sgd", loss="mse")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.batch, w)).astype("float32")

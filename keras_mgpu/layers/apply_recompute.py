@@ -223,23 +223,24 @@ def apply_recompute(
     layers: LayerSelector = None,
     *,
     policy: str = "per_layer",
-    in_place: bool = False,
+    in_place: bool = True,
     group_by: Callable[[Any], Hashable] | None = None,
 ) -> Any:
     """Recompute the activations of chosen layers of `model` in backprop.
 
-    With `in_place=True`, the chosen layers (anywhere in the layer tree:
-    inside nested functional models, keras-hub backbones, subclassed models'
-    attributes) are switched to recompute in the backward pass and `model`
-    itself is returned: its class, config, weights, seed states, `.keras`
-    file and keras-hub presets stay those of the plain model (the switch is
-    not saved; apply it again after loading). The outermost matching layers
-    are chosen; layers already recomputed are kept as they are. The model's
-    traced train/test/predict functions are dropped so the next `fit`
-    traces the switch. Forward outputs and gradients are bit-identical to
-    the plain model's, dropout included (seed states are replayed).
+    With `in_place=True` (the default since 0.2), the chosen layers (anywhere in
+    the layer tree: inside nested functional models, keras-hub backbones,
+    subclassed models' attributes) are switched to recompute in the backward
+    pass and `model` itself is returned: its class, config, weights, seed
+    states, `.keras` file and keras-hub presets stay those of the plain model
+    (the switch is not saved; apply it again after loading). The outermost
+    matching layers are chosen; layers already recomputed are kept as they are.
+    The model's traced train/test/predict functions are dropped so the next
+    `fit` traces the switch. Forward outputs and gradients are bit-identical to
+    the plain model's eagerly and in `tf.function`, dropout included (seed
+    states are replayed).
 
-    With `in_place=False` (the default, as in 0.1), a Sequential or
+    With `in_place=False` (the default of 0.1), a Sequential or
     functional `model` is rebuilt with its own chosen layers wrapped in
     `RecomputeGrad` and the rebuilt model is returned (the original is left
     untouched; compile it before training). Only the model's top-level

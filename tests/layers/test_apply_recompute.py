@@ -64,7 +64,7 @@ def _wrapped_names(model):
 )
 def test_per_layer_selection(selector, expected):
     model = dense_stack()
-    remat = apply_recompute(model, layers=selector)
+    remat = apply_recompute(model, layers=selector, in_place=False)
     assert _wrapped_names(remat) == expected
     assert remat is not model and not _wrapped_names(model)
     _same_predictions(model, remat)
@@ -74,13 +74,15 @@ def test_per_layer_selection(selector, expected):
 
 def test_sqrt_policy_segments_and_strip_is_inverse(tmp_path):
     model = dense_stack(16)  # 16 Dense blocks + dropout + out
-    remat = apply_recompute(model, policy="sqrt")
+    remat = apply_recompute(model, policy="sqrt", in_place=False)
     sizes = [len(layer.layer.layers) for layer in remat.layers]
     assert sizes == [5, 5, 5, 3]  # n = 18 chosen, ceil(sqrt(18)) = 5
     assert all(isinstance(layer, RecomputeGrad) for layer in remat.layers)
     _same_predictions(model, remat)
     # Only Dense blocks: the Dropout breaks nothing, it is just not chosen.
-    dense_only = apply_recompute(model, keras.layers.Dense, policy="sqrt")
+    dense_only = apply_recompute(
+        model, keras.layers.Dense, policy="sqrt", in_place=False
+    )
     assert [type(layer).__name__ for layer in dense_only.layers][-2:] == [
         "Dropout",
         "RecomputeGrad",
@@ -102,13 +104,13 @@ def test_sqrt_policy_segments_and_strip_is_inverse(tmp_path):
 
 def test_functional_chain_sqrt_and_per_layer():
     model = functional_chain(4)
-    remat = apply_recompute(model, policy="sqrt")
+    remat = apply_recompute(model, policy="sqrt", in_place=False)
     assert [len(layer.layer.layers) for layer in remat.layers[1:]] == [2, 2]
     _same_predictions(model, remat)
     assert [layer.name for layer in strip_recompute(remat).layers] == [
         layer.name for layer in model.layers
     ]
-    per_layer = apply_recompute(model, layers=["f1", "f2"])
+    per_layer = apply_recompute(model, layers=["f1", "f2"], in_place=False)
     assert _wrapped_names(per_layer) == ["f1", "f2"]
     _same_predictions(model, per_layer)
     _same_predictions(model, strip_recompute(per_layer))
@@ -116,8 +118,8 @@ def test_functional_chain_sqrt_and_per_layer():
 
 def test_already_wrapped_layers_are_skipped():
     model = dense_stack(3)
-    once = apply_recompute(model, layers="d1")
-    twice = apply_recompute(once, layers=keras.layers.Layer)
+    once = apply_recompute(model, layers="d1", in_place=False)
+    twice = apply_recompute(once, layers=keras.layers.Layer, in_place=False)
     assert all(
         not isinstance(layer.layer, RecomputeGrad)
         for layer in twice.layers
@@ -125,7 +127,7 @@ def test_already_wrapped_layers_are_skipped():
     )
     _same_predictions(model, twice)
     with pytest.raises(ValueError, match="No layer of model"):
-        apply_recompute(once, layers="recompute_d1")
+        apply_recompute(once, layers="recompute_d1", in_place=False)
 
 
 def test_non_chain_functional_rejects_sqrt():
@@ -134,8 +136,8 @@ def test_non_chain_functional_rejects_sqrt():
     outputs = keras.layers.Add()([a, keras.layers.Dense(6)(inputs)])
     model = keras.Model(inputs, outputs)
     with pytest.raises(ValueError, match="policy='sqrt' needs a sequential"):
-        apply_recompute(model, policy="sqrt")
-    remat = apply_recompute(model, layers=keras.layers.Dense)
+        apply_recompute(model, policy="sqrt", in_place=False)
+    remat = apply_recompute(model, layers=keras.layers.Dense, in_place=False)
     assert len(_wrapped_names(remat)) == 2
     _same_predictions(model, remat)
 
@@ -150,17 +152,17 @@ def test_bad_arguments():
             return self.dense(inputs)
 
     with pytest.raises(ValueError, match="cannot rebuild a subclassed model"):
-        apply_recompute(Subclassed())
+        apply_recompute(Subclassed(), in_place=False)
     with pytest.raises(ValueError, match="cannot rebuild a subclassed model"):
         strip_recompute(Subclassed())
     with pytest.raises(TypeError, match="Received: model=<Dense"):
-        apply_recompute(keras.layers.Dense(2))
+        apply_recompute(keras.layers.Dense(2), in_place=False)
     model = dense_stack(2)
     with pytest.raises(ValueError, match=r"does not have: \['nope'\]"):
-        apply_recompute(model, layers=["nope"])
+        apply_recompute(model, layers=["nope"], in_place=False)
     with pytest.raises(ValueError, match="Received: policy='best'"):
-        apply_recompute(model, policy="best")
+        apply_recompute(model, policy="best", in_place=False)
     with pytest.raises(TypeError, match="Received: layers=3"):
-        apply_recompute(model, layers=3)
+        apply_recompute(model, layers=3, in_place=False)
     with pytest.raises(TypeError, match="with item 3"):
-        apply_recompute(model, layers=["d0", 3])
+        apply_recompute(model, layers=["d0", 3], in_place=False)

@@ -147,7 +147,9 @@ def test_fit_training_curves_match(strategy_name, options):
                     ]
                 )
                 if wrap:
-                    model = apply_recompute(model, layers="block")
+                    model = apply_recompute(
+                        model, layers="block", in_place=False
+                    )
                     assert isinstance(model.layers[0], RecomputeGrad)
                 model.compile(
                     optimizer=keras.optimizers.SGD(0.05),

@@ -153,7 +153,9 @@ def test_control_rebuild_redraws_dropout_seeds():
     from their config, which draws new dropout seeds (as clone_model does),
     so its first step differs from the plain model's."""
     plain = user_model()
-    rebuilt = apply_recompute(user_model(), ["top_drop", "head"])
+    rebuilt = apply_recompute(
+        user_model(), ["top_drop", "head"], in_place=False
+    )
     difference = np.max(np.abs(step(rebuilt)[0] - step(plain)[0]))
     assert difference > 1e-3
 
@@ -460,25 +462,25 @@ def test_bad_arguments():
     with pytest.raises(
         ValueError, match="pass in_place=True. Received: group_by"
     ):
-        apply_recompute(model, group_by=block_key)
+        apply_recompute(model, group_by=block_key, in_place=False)
     with pytest.raises(ValueError, match=r"does not have: \['nope'\]"):
         apply_recompute(model, "nope", in_place=True)
     with pytest.raises(ValueError, match="No layer of model 'user_model'"):
         apply_recompute(model, keras.layers.Conv2D, in_place=True)
     # The rebuild reaches the top level only; it says what to do instead.
     with pytest.raises(ValueError, match="nested inside sub-models.*in_place"):
-        apply_recompute(model, "block_1")
+        apply_recompute(model, "block_1", in_place=False)
     with pytest.raises(ValueError, match="3 layers nested inside sub-models"):
-        apply_recompute(model, keras.Sequential)
+        apply_recompute(model, keras.Sequential, in_place=False)
     with pytest.raises(
         ValueError, match="cannot rebuild a subclassed.*in_place"
     ):
-        apply_recompute(tower())
+        apply_recompute(tower(), in_place=False)
     with pytest.raises(ValueError, match="policy='sqrt' found no run"):
         apply_recompute(tower(), keras.Sequential, policy="sqrt", in_place=True)
     apply_recompute(model, "head", in_place=True)
     with pytest.raises(ValueError, match="has layers recomputed in place"):
-        apply_recompute(model, "top_drop")
+        apply_recompute(model, "top_drop", in_place=False)
     with pytest.raises(ValueError, match="already recomputed in place"):
         RecomputeGrad(model.get_layer("head"))
     with pytest.raises(ValueError, match="never chosen"):
@@ -502,6 +504,6 @@ def test_rebuild_refuses_to_lose_a_functional_subclass():
 
     backbone = Backbone(name="backbone")
     with pytest.raises(ValueError, match="losing its class Backbone"):
-        apply_recompute(backbone, "proj")
+        apply_recompute(backbone, "proj", in_place=False)
     apply_recompute(backbone, "proj", in_place=True)
     assert type(backbone) is Backbone

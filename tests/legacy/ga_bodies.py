@@ -40,7 +40,7 @@ def _model(keras, accumulate: bool, learning_rate=BASE_LR):
     )
     optimizer = keras.optimizers.Adam(learning_rate, global_clipnorm=0.1)
     if accumulate:
-        model = apply_recompute(model)
+        model = apply_recompute(model, in_place=False)
         optimizer = GradientAccumulationOptimizer(optimizer, ACCUMULATION_STEPS)
     model.compile(optimizer, loss="mse")
     return model

@@ -60,7 +60,9 @@ def _reference() -> list:
 
 def test_components_together_under_every_strategy(strategy):
     with strategy.scope():
-        model = apply_recompute(mlp(), layers=keras.layers.Dense)
+        model = apply_recompute(
+            mlp(), layers=keras.layers.Dense, in_place=False
+        )
         model.compile(
             GradientAccumulationOptimizer(
                 keras.optimizers.SGD(BASE_LR, momentum=0.5), ACCUMULATION

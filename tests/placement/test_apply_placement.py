@@ -89,7 +89,9 @@ def test_recompute_grad_stages_equal_the_plain_model():
             keras.layers.Dense(3, name="s1_out"),
         ]
     )
-    remat = apply_recompute(plain, layers=["s0_block", "s1_block"])
+    remat = apply_recompute(
+        plain, layers=["s0_block", "s1_block"], in_place=False
+    )
     placed = apply_placement(remat, CPUS[2:4], policy=["recompute_s1_block"])
     stages = _placed_layers(placed)
     assert [type(layer.layer) for layer in stages[:2]] == [RecomputeGrad] * 2

@@ -181,4 +181,4 @@ def test_rebuilding_a_placed_model_is_refused():
         match=r"is placed \(`apply_placement`\); a rebuild would wrap .* "
         r"Pass in_place=True .* Received: in_place=False",
     ):
-        apply_recompute(placed, "head")
+        apply_recompute(placed, "head", in_place=False)
