@@ -78,7 +78,7 @@ def configure_batch(
     multiple_of: int = 1,
     min_fill: float = DEFAULT_MIN_FILL,
     strategy: tf.distribute.Strategy | None = None,
-    verbose: int = 1,
+    verbose: int = 0,
 ) -> BatchSetup:
     """Reach `global_batch_size` with the largest micro-batch that fits:
     `find_batch_size`, then `plan_batch`, then the optimizer and learning
@@ -111,7 +111,8 @@ def configure_batch(
             memory.
         min_fill: as in `plan_batch`.
         strategy: defaults to the model's.
-        verbose: int, 1 (default) prints `explanation` (on the chief).
+        verbose: int, 0 (default, as Keras) prints nothing; 1 prints
+            `explanation` (on the chief).
 
     Returns:
         A `BatchSetup`.
@@ -267,10 +268,10 @@ def _plan_sentence(plan: BatchPlan, optimizer: Any) -> str:
         f"GradientAccumulationOptimizer({name}, accumulation_steps="
         f"{plan.accumulation_steps})"
     )
-    if plan.per_replica_batch_size < plan.max_per_replica_batch:
+    if plan.per_replica_batch_size < plan.max_batch_size:
         text += (
             f" (micro-batches of {plan.fill:.0%} of the "
-            f"{plan.max_per_replica_batch:,} that fit: the largest that "
+            f"{plan.max_batch_size:,} that fit: the largest that "
             "split the global batch exactly)"
         )
     return text + "."

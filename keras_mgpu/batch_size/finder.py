@@ -130,10 +130,10 @@ class BatchSizeResult:
 def find_batch_size(
     model: Any,
     data: Any,
+    *,
     memory_fraction: float | None = None,
     max_batch_size: int | None = None,
     device: str | None = None,
-    *,
     memory_budget_mb: float | None = None,
     multiple_of: int = 1,
     strategy: tf.distribute.Strategy | None = None,

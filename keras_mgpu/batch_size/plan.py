@@ -7,7 +7,12 @@ import dataclasses
 import math
 from typing import Any
 
-from keras_mgpu._validation import check_int, check_number
+from keras_mgpu._validation import (
+    check_int,
+    check_number,
+    reject_unknown,
+    renamed_argument,
+)
 from keras_mgpu.distribute import num_replicas_in_sync
 
 DEFAULT_MIN_FILL = 0.5
@@ -23,14 +28,20 @@ class BatchPlan:
         accumulation_steps: micro-batches per optimizer update.
         num_replicas: replicas in sync (every worker's).
         global_batch_size: examples per optimizer update.
-        max_per_replica_batch: the largest micro-batch that fits.
+        max_batch_size: the largest per-replica micro-batch that fits
+            (`max_per_replica_batch` before 0.2, still readable until 0.3).
     """
 
     per_replica_batch_size: int
     accumulation_steps: int
     num_replicas: int
     global_batch_size: int
-    max_per_replica_batch: int
+    max_batch_size: int
+
+    @property
+    def max_per_replica_batch(self) -> int:
+        """Deprecated name of `max_batch_size` (until 0.3)."""
+        return self.max_batch_size
 
     @property
     def step_batch_size(self) -> int:
@@ -41,7 +52,7 @@ class BatchPlan:
     @property
     def fill(self) -> float:
         """The micro-batch as a fraction of the largest that fits."""
-        return self.per_replica_batch_size / self.max_per_replica_batch
+        return self.per_replica_batch_size / self.max_batch_size
 
     def __str__(self) -> str:
         return (
@@ -65,14 +76,15 @@ class NoExactSplitError(ValueError):
 
 def plan_batch(
     global_batch_size: int,
-    max_per_replica_batch: int,
+    max_batch_size: int | None = None,
     strategy: Any = None,
     *,
     num_replicas: int | None = None,
     min_fill: float = DEFAULT_MIN_FILL,
+    **deprecated: Any,
 ) -> BatchPlan:
     """Split `global_batch_size` into replicas x accumulation steps x
-    micro-batches of at most `max_per_replica_batch`, exactly.
+    micro-batches of at most `max_batch_size`, exactly.
 
     Takes the fewest accumulation steps K for which the per-replica share
     `global / replicas` divides into K equal micro-batches that fit:
@@ -83,7 +95,9 @@ def plan_batch(
 
     Args:
         global_batch_size: int >= 1, examples per optimizer update.
-        max_per_replica_batch: int >= 1, the largest micro-batch that fits
+        max_batch_size: int >= 1, the largest per-replica micro-batch that
+            fits (called `max_per_replica_batch` before 0.2; the old name
+            works, with a `FutureWarning`, until 0.3)
             (e.g. `find_batch_size(...).batch_size`).
         strategy: the strategy whose replicas are counted (all workers');
             defaults to the one in scope.
@@ -103,13 +117,22 @@ def plan_batch(
     Example:
 
     ```python
-    plan = keras_mgpu.plan_batch(4096, max_per_replica_batch=300,
+    plan = keras_mgpu.plan_batch(4096, max_batch_size=300,
                                  num_replicas=2)
     plan.per_replica_batch_size, plan.accumulation_steps   # (256, 8)
     ```
     """
     check_int(global_batch_size, "global_batch_size", minimum=1)
-    check_int(max_per_replica_batch, "max_per_replica_batch", minimum=1)
+    max_batch_size = renamed_argument(
+        "plan_batch",
+        deprecated,
+        "max_per_replica_batch",
+        "max_batch_size",
+        max_batch_size,
+        None,
+    )
+    reject_unknown("plan_batch", deprecated)
+    check_int(max_batch_size, "max_batch_size", minimum=1)
     check_number(min_fill, "min_fill", minimum=0.0, maximum=1.0)
     if num_replicas is not None and strategy is not None:
         raise ValueError(
@@ -119,17 +142,15 @@ def plan_batch(
     if num_replicas is None:
         num_replicas = num_replicas_in_sync(strategy)
     check_int(num_replicas, "num_replicas", minimum=1)
-    plan = best_split(
-        global_batch_size, max_per_replica_batch, num_replicas, min_fill
-    )
+    plan = best_split(global_batch_size, max_batch_size, num_replicas, min_fill)
     if plan is not None:
         return plan
     nearest = nearest_splits(
-        global_batch_size, max_per_replica_batch, num_replicas, min_fill
+        global_batch_size, max_batch_size, num_replicas, min_fill
     )
     raise NoExactSplitError(
         _no_split_message(
-            global_batch_size, max_per_replica_batch, num_replicas, min_fill
+            global_batch_size, max_batch_size, num_replicas, min_fill
         )
         + " Nearest that split: "
         + "; ".join(str(p) for p in nearest)

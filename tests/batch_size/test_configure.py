@@ -89,7 +89,9 @@ def test_planned_training_equals_the_plain_global_batch(
 def test_no_accumulation_when_the_share_fits(fake_allocator, capsys):
     strategy = make_strategy("mirrored_2")
     model = _compiled(strategy, "adamw")
-    setup = configure_batch(model, (X, Y), 16, memory_budget_mb=100.0)
+    setup = configure_batch(
+        model, (X, Y), 16, memory_budget_mb=100.0, verbose=1
+    )
     # The search never looks past the share of 8 per replica.
     assert max(fake_allocator.steps) == 8
     assert setup.search.limited_by == "max_batch_size"

@@ -105,10 +105,10 @@ def test_replicas_from_the_strategy():
         ({"global_batch_size": -8}, ValueError, "Received: global_batch_size"),
         ({"global_batch_size": 8.0}, TypeError, "must be an integer >= 1"),
         (
-            {"max_per_replica_batch": 0},
+            {"max_batch_size": 0},
             ValueError,
-            r"`max_per_replica_batch` must be an integer >= 1\. Received: "
-            r"max_per_replica_batch=0",
+            r"`max_batch_size` must be an integer >= 1\. Received: "
+            r"max_batch_size=0",
         ),
         ({"num_replicas": 0}, ValueError, "`num_replicas` must be"),
         ({"min_fill": 1.5}, ValueError, "`min_fill` must be a number"),
@@ -120,8 +120,14 @@ def test_replicas_from_the_strategy():
     ],
 )
 def test_bad_arguments(kwargs, error, message):
-    arguments = {"global_batch_size": 64, "max_per_replica_batch": 8, **kwargs}
+    arguments = {"global_batch_size": 64, "max_batch_size": 8, **kwargs}
     if arguments.get("strategy") == "mirrored_2":
         arguments["strategy"] = make_strategy("mirrored_2")
     with pytest.raises(error, match=message):
         plan_batch(**arguments)
+
+
+def test_the_old_argument_name_still_works_with_a_future_warning():
+    with pytest.warns(FutureWarning, match="use `max_batch_size` instead"):
+        plan = plan_batch(64, max_per_replica_batch=8, num_replicas=2)
+    assert plan.max_batch_size == plan.max_per_replica_batch == 8
