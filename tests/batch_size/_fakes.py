@@ -1,6 +1,7 @@
 """A fake allocator for the batch-size probe, so its search, back-off and
-agreement run in the test process (which has no CPU allocator statistics:
-oneDNN is off here). The training steps themselves are real."""
+agreement run in the test process, with or without CPU allocator
+statistics there (TensorFlow keeps them only with oneDNN on, its default on
+some CPUs). The training steps themselves are real."""
 
 from __future__ import annotations
 

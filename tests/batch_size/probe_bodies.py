@@ -133,6 +133,21 @@ def real_peaks(task_index: int) -> dict:
     return results
 
 
+def no_allocator_stats(task_index: int) -> dict:
+    """find_batch_size with the real reader in a process started with
+    oneDNN off (`TF_ENABLE_ONEDNN_OPTS=0`), where TensorFlow keeps no CPU
+    allocator statistics: the error's class and message."""
+    from keras_mgpu import find_batch_size
+    from keras_mgpu.batch_size import AllocatorStatsUnavailable
+
+    model, (x, y) = _compiled("mlp"), _data("mlp")
+    try:
+        find_batch_size(model, (x[:16], y[:16]), memory_budget_mb=100.0)
+    except AllocatorStatsUnavailable as error:
+        return {"error": type(error).__name__, "message": str(error)}
+    return {"error": None, "message": ""}
+
+
 # Each worker's own budget: worker 1 has less, so both must get its answer.
 WORKER_BUDGETS_MB = (20.0, 14.0)
 WORKER_GLOBAL_BATCH = 8192

@@ -192,8 +192,6 @@ def _keras_limits(strategy, x, y) -> dict:
 
     import keras
 
-    import keras_mgpu
-
     fit = keras.Model.fit.__wrapped__  # Keras's fit, without our checks
     port = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][0]
     shared = os.path.join(
@@ -203,12 +201,79 @@ def _keras_limits(strategy, x, y) -> dict:
         model = _model()
         model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
     steps = _error(lambda: fit(model, x, y, batch_size=8, verbose=0))
+    backup = _serialised_backup(strategy, x, y, shared)
+    return {"backup": backup, "steps_per_execution": steps}
+
+
+# Files Keras 3's BackupAndRestore writes in its `backup_dir`.
+BACKUP_FILES = ("latest.weights.h5", "training_metadata.json")
+
+
+def _serialised_backup(strategy, x, y, shared: str) -> dict:
+    """Keras's BackupAndRestore, the same `backup_dir` on both workers, with
+    the two workers' epoch-end saves put one after the other.
+
+    Unserialised, the outcome depends on who wins a race (measured: one
+    worker fails with FileExistsError, BlockingIOError or an HDF5 lock
+    error, or neither does). Serialised, it is fixed: worker 0 saves, then
+    worker 1 saves over worker 0's backup. Before worker 1's save, its
+    `_Gate` stamps the backup files' mtime to 0; after it, `_Done` lists
+    those worker 1 rewrote (mtime no longer 0)."""
+    import shutil
+    import time
+
+    import keras
+
+    import keras_mgpu
+
+    task = keras_mgpu.distribute.strategy.worker_info(strategy)
+    gate_dir = shared + "_gate"
+    for path in (shared, gate_dir):
+        # No worker writes before both have run a step together.
+        shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(gate_dir, exist_ok=True)
+    rewritten: list = []
+    files: list = []
+
+    class _Gate(keras.callbacks.Callback):
+        """Before the backup's save: worker 1 waits for worker 0's."""
+
+        def on_epoch_end(self, epoch, logs=None):
+            if task["rank"] != 1:
+                return
+            marker = os.path.join(gate_dir, f"saved_{epoch}")
+            deadline = time.monotonic() + 120
+            while not os.path.exists(marker):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker 0 never wrote {marker}")
+                time.sleep(0.01)
+            for name in BACKUP_FILES:
+                os.utime(os.path.join(shared, name), ns=(0, 0))
+
+    class _Done(keras.callbacks.Callback):
+        """After the backup's save: what is in the shared directory; then
+        worker 0 lets worker 1 go on."""
+
+        def on_epoch_end(self, epoch, logs=None):
+            files.append(sorted(os.listdir(shared)))
+            if task["rank"] == 0:
+                open(os.path.join(gate_dir, f"saved_{epoch}"), "w").close()
+                return
+            rewritten.append(
+                [
+                    name
+                    for name in BACKUP_FILES
+                    if os.stat(os.path.join(shared, name)).st_mtime_ns != 0
+                ]
+            )
+
     with strategy.scope():
         model = _model()
         model.compile(optimizer="sgd", loss="mse")
-    # The workers may diverge here (one raises, one trains on): the
-    # watchdog bounds the wait of the one left alone in a collective.
-    backup = _error(
+    fit = keras.Model.fit.__wrapped__  # Keras's fit, without our checks
+    # The watchdog bounds the wait of a worker left alone in a collective,
+    # should a Keras release make one worker fail here.
+    error = _error(
         lambda: fit(
             model,
             x,
@@ -217,12 +282,25 @@ def _keras_limits(strategy, x, y) -> dict:
             epochs=2,
             verbose=0,
             callbacks=[
-                keras.callbacks.BackupAndRestore(shared),
+                _Gate(),
+                # Kept: removing it at train end would race with the peer.
+                keras.callbacks.BackupAndRestore(
+                    shared, delete_checkpoint=False
+                ),
+                _Done(),
                 keras_mgpu.callbacks.WorkerWatchdog(timeout=10),
             ],
         )
     )
-    return {"backup": backup, "steps_per_execution": steps}
+    if task["rank"] == 1:  # the last to touch them
+        for path in (shared, gate_dir):
+            shutil.rmtree(path, ignore_errors=True)
+    return {
+        "rank": task["rank"],
+        "error": error,
+        "files": files,
+        "rewritten_by_worker_1": rewritten,
+    }
 
 
 def _components(strategy, x, y) -> dict:

@@ -7,6 +7,8 @@ names of the placed graph's nodes and the device each was given.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from keras_mgpu import _flavour
@@ -16,10 +18,14 @@ tf = _flavour.tf
 
 FEATURES = 8
 CPUS = [f"/cpu:{i}" for i in range(4)]
-# Ops that do the arithmetic of a Dense stack, forward and backward.
+# Ops that do the arithmetic of a Dense stack, forward and backward, by
+# their stock TensorFlow names. With oneDNN on (the default on CPUs with
+# AVX512-VNNI or AMX), Grappler rewrites them into oneDNN kernels
+# (`_MklMatMul`, `_MklNativeFusedMatMul`, `_MklFusedMatMul`, ...) and fuses
+# the activation into the matmul: `compute_op` maps those back.
 COMPUTE_OPS = (
     "MatMul",
-    "_FusedMatMul",
+    "FusedMatMul",
     "BiasAdd",
     "BiasAddGrad",
     "Relu",
@@ -27,6 +33,15 @@ COMPUTE_OPS = (
     "Tanh",
     "TanhGrad",
 )
+_ONEDNN_PREFIX = re.compile(r"^_(?:MklNative|Mkl)?")
+
+
+def compute_op(op: str) -> str | None:
+    """The stock name of a Dense-stack arithmetic op type, oneDNN's and
+    fused kernels included (`_MklNativeFusedMatMul` -> `FusedMatMul`), or
+    None for any other op (constants, reads, transfers, ...)."""
+    stock = _ONEDNN_PREFIX.sub("", op)
+    return stock if stock in COMPUTE_OPS else None
 
 
 def device_of(variable) -> str:
