@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from keras_mgpu import _flavour_switch  # noqa: F401  (fixes the flavour now)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Public name -> module that defines it.
 _EXPORTS = {

@@ -73,6 +73,7 @@ class LearningRateWarmup(*callback_bases()):
 
     def __init__(
         self,
+        *,
         warmup_steps: int | None = None,
         warmup_epochs: float | None = None,
         initial_learning_rate: float = 0.0,

@@ -59,7 +59,7 @@ class StragglerMonitor(*callback_bases()):
     ```
     """
 
-    def __init__(self, warn_ratio: float | None = 1.25) -> None:
+    def __init__(self, *, warn_ratio: float | None = 1.25) -> None:
         super().__init__()
         self.warn_ratio = check_number(
             warn_ratio,

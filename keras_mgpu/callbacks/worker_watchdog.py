@@ -83,7 +83,7 @@ class WorkerWatchdog(*callback_bases()):
     """
 
     def __init__(
-        self, timeout: float = 300.0, heartbeat_interval: float = 1.0
+        self, *, timeout: float = 300.0, heartbeat_interval: float = 1.0
     ) -> None:
         super().__init__()
         self.timeout = check_number(

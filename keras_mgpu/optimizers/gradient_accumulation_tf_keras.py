@@ -155,6 +155,7 @@ class GradientAccumulationOptimizer(
         self,
         inner_optimizer: keras.optimizers.Optimizer,
         accumulation_steps: int,
+        *,
         name: str | None = None,
         momentum_correction: bool = False,
         compression: Any = None,

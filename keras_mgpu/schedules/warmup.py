@@ -128,6 +128,7 @@ class Warmup(*schedule_bases()):
         self,
         schedule: Any,
         warmup_steps: int,
+        *,
         initial_learning_rate: float = 0.0,
         ramp: str = "linear",
         name: str | None = None,

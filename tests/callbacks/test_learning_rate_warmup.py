@@ -78,7 +78,11 @@ def test_callback_closed_form(strategy_name, accumulation, spe, ramp):
     history = _fit(
         model,
         accumulation,
-        [LearningRateWarmup(WARMUP, initial_learning_rate=initial, ramp=ramp)],
+        [
+            LearningRateWarmup(
+                warmup_steps=WARMUP, initial_learning_rate=initial, ramp=ramp
+            )
+        ],
         epochs=2,
     )
     recorded = inner.recorded()
@@ -143,7 +147,7 @@ def test_resume_after_interruption(tmp_path):
         callbacks = [
             keras.callbacks.BackupAndRestore(str(tmp_path / "backup")),
             LearningRateScaler(base_batch_size=BATCH, batch_size=BATCH),
-            LearningRateWarmup(WARMUP, ramp="cosine"),
+            LearningRateWarmup(warmup_steps=WARMUP, ramp="cosine"),
             *extra,
         ]
         return _fit(model, accumulation, callbacks, epochs=epochs), inner
@@ -206,7 +210,7 @@ def test_composes_with_learning_rate_scheduler():
         model,
         1,
         [
-            LearningRateWarmup(WARMUP),
+            LearningRateWarmup(warmup_steps=WARMUP),
             keras.callbacks.LearningRateScheduler(lambda e: targets[e]),
         ],
         epochs=4,

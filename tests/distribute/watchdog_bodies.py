@@ -154,7 +154,9 @@ def late_start_then_predict_stall(position: int) -> dict:
 
     def fit(extra):
         clock = _Clock()
-        watchdog = WorkerWatchdog(SLOW_TIMEOUT, HEARTBEAT)
+        watchdog = WorkerWatchdog(
+            timeout=SLOW_TIMEOUT, heartbeat_interval=HEARTBEAT
+        )
         out = _outcome(
             lambda: model.fit(
                 x,
@@ -173,7 +175,7 @@ def late_start_then_predict_stall(position: int) -> dict:
     results["fit1"]["own_key_left"] = _key_present("run0", position)
     extra = [_fault("on_train_begin", 0, "late")] if late else []
     results["fit2"] = fit(extra)
-    watchdog = WorkerWatchdog(TIMEOUT, HEARTBEAT)
+    watchdog = WorkerWatchdog(timeout=TIMEOUT, heartbeat_interval=HEARTBEAT)
     clock = _Clock()
     results["evaluate"] = _outcome(
         lambda: model.evaluate(
@@ -186,7 +188,7 @@ def late_start_then_predict_stall(position: int) -> dict:
         clock,
     )
     extra = [_fault("on_predict_batch_begin", 1, "stall")] if late else []
-    watchdog = WorkerWatchdog(TIMEOUT, HEARTBEAT)
+    watchdog = WorkerWatchdog(timeout=TIMEOUT, heartbeat_interval=HEARTBEAT)
     results["predict"] = _outcome(
         lambda: model.predict(
             x,
@@ -209,7 +211,7 @@ def validation_stall(position: int) -> dict:
     model = _setup()
     x, y = _data()
     clock = _Clock()
-    watchdog = WorkerWatchdog(TIMEOUT, HEARTBEAT)
+    watchdog = WorkerWatchdog(timeout=TIMEOUT, heartbeat_interval=HEARTBEAT)
     extra = [_fault("on_test_batch_begin", 1, "stall")] if position else []
     out = _outcome(
         lambda: model.fit(
@@ -248,7 +250,7 @@ def evaluate_kill(position: int) -> dict:
 
     model = _setup()
     x, y = _data()
-    watchdog = WorkerWatchdog(TIMEOUT, HEARTBEAT)
+    watchdog = WorkerWatchdog(timeout=TIMEOUT, heartbeat_interval=HEARTBEAT)
     clock = _Clock()
     fitted = _outcome(
         lambda: model.fit(
