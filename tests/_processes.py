@@ -16,30 +16,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
+from keras_mgpu.testing.workers import free_ports  # noqa: F401 (re-used)
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct free TCP ports on 127.0.0.1."""
-    sockets, ports = [], []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in sockets:
-            s.close()
-    return ports
 
 
 class ProcessFailure(RuntimeError):
