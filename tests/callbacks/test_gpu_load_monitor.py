@@ -19,8 +19,8 @@ from keras_mgpu.monitoring import (
     HostBackend,
     MonitorWarning,
     NvmlBackend,
-    live_sampler_threads,
 )
+from keras_mgpu.monitoring.sampler import live_sampler_threads
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 GPU_FIGURES = [

@@ -15,9 +15,9 @@ from keras_mgpu.callbacks import memory_monitor as memory_monitor_module
 from keras_mgpu.monitoring import (
     HostBackend,
     MonitorWarning,
-    live_sampler_threads,
     notices,
 )
+from keras_mgpu.monitoring.sampler import live_sampler_threads
 
 HOST_KEYS = {
     "mem/host_rss_mb",
