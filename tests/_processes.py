@@ -39,6 +39,8 @@ def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
         p for p in (TESTS_DIR, REPO_ROOT, env.get("PYTHONPATH")) if p
     )
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # A native crash in a child shows its Python stack in the test output.
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env["KERAS_MGPU_CHILD"] = "1"
     if extra:
         env.update(extra)
