@@ -17,6 +17,8 @@ import os
 import time
 import warnings
 
+from distribute._tiny_regression import compiled_model, data
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 SAMPLES = 48
@@ -27,29 +29,13 @@ WARMUP = 3  # updates
 
 
 def _data():
-    import numpy as np
-
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=(SAMPLES, 5)).astype("float32")
-    y = (x @ rng.normal(size=(5, 1))).astype("float32")
-    return x, y
+    return data(SAMPLES, 3)
 
 
 def _model():
-    from keras_mgpu._flavour import keras
-
-    keras.utils.set_random_seed(11)
-    model = keras.Sequential(
-        [
-            keras.Input((5,)),
-            keras.layers.Dense(8, activation="tanh"),
-            keras.layers.Dense(1),
-        ]
+    return compiled_model(
+        11, lambda keras: keras.optimizers.SGD(0.05, momentum=0.5)
     )
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.05, momentum=0.5), loss="mse"
-    )
-    return model
 
 
 def _lr_callbacks(per_replica: int) -> list:

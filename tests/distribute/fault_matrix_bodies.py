@@ -14,6 +14,8 @@ import os
 import signal
 import warnings
 
+from distribute._tiny_regression import compiled_model, data
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 SAMPLES = 48
@@ -24,33 +26,18 @@ WARMUP_UPDATES = 4  # of 4 updates in all: every backup is mid-warmup
 
 
 def _data():
-    import numpy as np
-
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(SAMPLES, 5)).astype("float32")
-    y = (x @ rng.normal(size=(5, 1))).astype("float32")
-    return x, y
+    return data(SAMPLES, 1)
 
 
 def _compiled_model():
     from keras_mgpu import GradientAccumulationOptimizer
-    from keras_mgpu._flavour import keras
 
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential(
-        [
-            keras.Input((5,)),
-            keras.layers.Dense(8, activation="tanh"),
-            keras.layers.Dense(1),
-        ]
-    )
-    model.compile(
-        optimizer=GradientAccumulationOptimizer(
+    return compiled_model(
+        3,
+        lambda keras: GradientAccumulationOptimizer(
             keras.optimizers.SGD(0.1, momentum=0.5), ACCUMULATION
         ),
-        loss="mse",
     )
-    return model
 
 
 def _killer(stop: list, is_chief: bool):

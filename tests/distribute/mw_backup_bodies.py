@@ -14,6 +14,8 @@ import signal
 import time
 import warnings
 
+from distribute._tiny_regression import compiled_model, data
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 SAMPLES = 64
@@ -29,33 +31,18 @@ STALL_SECONDS = 16.0  # longer than the watchdog's timeout
 
 
 def _data():
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(SAMPLES, 5)).astype("float32")
-    y = (x @ rng.normal(size=(5, 1))).astype("float32")
-    return x, y
+    return data(SAMPLES, 0)
 
 
 def _compiled_model():
     from keras_mgpu import GradientAccumulationOptimizer
-    from keras_mgpu._flavour import keras
 
-    keras.utils.set_random_seed(5)
-    model = keras.Sequential(
-        [
-            keras.Input((5,)),
-            keras.layers.Dense(8, activation="tanh"),
-            keras.layers.Dense(1),
-        ]
-    )
-    model.compile(
-        optimizer=GradientAccumulationOptimizer(
+    return compiled_model(
+        5,
+        lambda keras: GradientAccumulationOptimizer(
             keras.optimizers.SGD(0.1, momentum=0.5), ACCUMULATION
         ),
-        loss="mse",
     )
-    return model
 
 
 def _stopper(mode: str):
