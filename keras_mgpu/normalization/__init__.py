@@ -1,0 +1,9 @@
+"""BatchNormalization when batches are split: micro-batches of gradient
+accumulation, pipeline micro-batches and replicas.
+
+See docs/guides/batchnorm.md for which remedy to use when.
+"""
+
+from keras_mgpu.normalization._find import batchnorm_layers
+
+__all__ = ["batchnorm_layers"]
