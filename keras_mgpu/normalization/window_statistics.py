@@ -250,6 +250,13 @@ def _count(layer: Any, inputs: Any, mask: Any, channels: Any) -> Any:
     )
 
 
+def _bessel(n: Any, inverse: bool = False) -> Any:
+    """n / (n - 1) (or its inverse); 1 where n <= 1."""
+    safe = tf.maximum(n, tf.constant(2.0, n.dtype))
+    factor = (safe - 1.0) / safe if inverse else safe / (safe - 1.0)
+    return tf.where(n > 1.0, factor, tf.ones_like(factor))
+
+
 def _advance_window(layer, state, inputs, mask, old_mean, old_var, active):
     """Fold this call's statistics into the window; at its last call, move
     the moving statistics once, with the window's statistics; otherwise put
@@ -269,6 +276,13 @@ def _advance_window(layer, state, inputs, mask, old_mean, old_var, active):
     channels = tf.cast(tf.size(old_mean), tf.float32)
     n = tf.cast(_count(layer, inputs, mask, channels), dtype)
 
+    # tf_keras's fused kernel (4-D and 5-D inputs) moves the variance
+    # towards the micro-batch's unbiased variance: work in biased variances
+    # and give the window's the same correction, as its large batch would.
+    bessel = bool(getattr(layer, "fused", False))
+    if bessel:
+        batch_var = batch_var * _bessel(n, inverse=True)
+
     calls = tf.convert_to_tensor(calls_v)
     count = tf.convert_to_tensor(count_v)
     mean = tf.convert_to_tensor(mean_v)
@@ -284,6 +298,8 @@ def _advance_window(layer, state, inputs, mask, old_mean, old_var, active):
     last = calls >= float(layer.__dict__[_WINDOW])
     moves = tf.logical_and(last, total > 0)
     window_var = merged_m2 / safe_total
+    if bessel:
+        window_var = window_var * _bessel(total)
     moved_mean = old_mean * momentum + merged_mean * decay
     moved_var = old_var * momentum + window_var * decay
 
@@ -319,7 +335,14 @@ def _ensure_state(layer: Any) -> None:
     dtype = tf.as_dtype(moving_mean.dtype)
     shapes = ((), (), tuple(moving_mean.shape), tuple(moving_mean.shape))
     state = []
-    with _strategy_scope_of(moving_mean), _unlocked(layer):
+    # tf_keras names variables after the name scope at creation (its build
+    # runs under the layer's); Keras 3 gives them the layer's path itself.
+    scope = (
+        tf.name_scope(layer.name + "/")
+        if flavour == "tf_keras"
+        else contextlib.nullcontext()
+    )
+    with _strategy_scope_of(moving_mean), _unlocked(layer), scope:
         for name, shape in zip(_STATE_NAMES, shapes, strict=True):
             if flavour == "tf_keras":
                 # Distributed like tf_keras's moving statistics.
