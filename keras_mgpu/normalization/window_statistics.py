@@ -607,6 +607,10 @@ def use_window_statistics(
     or after an update), or windows straddle updates. A layer called twice
     per step (shared) is called `2 * window` times per update.
 
+    Layers marked frozen (`choice_of(layer) == "frozen"`, see
+    `keras_mgpu.normalization`) are left as they are; every other switched
+    layer is marked with the `statistics` chosen.
+
     Each layer's class is swapped for `WindowBatchNormalization` (a
     registered subclass, one per Keras flavour), so `get_config` carries
     `window` and `statistics` and a `.keras` file loads back switched
@@ -685,6 +689,9 @@ def use_window_statistics(
             "and layers included), so there are no statistics to window. "
             f"Received: model of type {type(model).__name__}"
         )
+    # A layer frozen by choice (`freeze_batchnorm`) moves no statistics;
+    # switching it would only overwrite that choice.
+    layers = [layer for layer in layers if choice_of(layer) != "frozen"]
     for layer in layers:
         _check_layer(layer)
     for layer in layers:
