@@ -516,6 +516,11 @@ def _recompute_switch(layer: Any):
 
 def _switch(layer: Any, window: int, statistics: str) -> None:
     if isinstance(layer, _WindowStatisticsMixin):
+        if (layer.window, layer.statistics) == (window, statistics):
+            # Already so (a loaded `.keras` file, a second call): keep the
+            # window in progress.
+            mark_choice(layer, statistics)
+            return
         _restore(layer)
     _check_layer(layer)
     again = _recompute_switch(layer)
@@ -619,8 +624,11 @@ def use_window_statistics(
     `restore_batchnorm_statistics` to undo, e.g. before saving a model for
     loading without keras_mgpu. Subclasses of BatchNormalization are
     switched to an unregistered subclass of their own (restore them before
-    saving in the `.keras` format). A compiled model's cached train, test
-    and predict functions are dropped, so the next `fit` uses the switch.
+    saving in the `.keras` format). Calling it again with the same
+    `window` and `statistics` (say on a model loaded from a `.keras` file)
+    keeps the window in progress; other values start a new one. A
+    compiled model's cached train, test and predict functions are dropped,
+    so the next `fit` uses the switch.
     Composes with `apply_recompute(..., in_place=True)` in either order
     (the recomputation's replay leaves the moving statistics and
     accumulators as the forward left them).

@@ -223,6 +223,9 @@ def test_keras_file_round_trip_resumes_mid_window(tmp_path):
     assert config["momentum"] == 0.9
     for a, b in zip(model.weights, loaded.weights, strict=True):
         np.testing.assert_array_equal(np.array(a), np.array(b))
+    # Switching again as it is keeps the window in progress.
+    use_window_statistics(loaded, window=K)
+    assert np.array(window_state(loaded_layer)[0]) == 3
     loaded.fit(x[24:], y[24:], batch_size=MICRO, shuffle=False, verbose=0)
     for a, b in zip(loaded.weights, uninterrupted.weights, strict=True):
         np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
@@ -267,6 +270,8 @@ def test_restore_gives_back_the_plain_layer():
     assert [x.get_config() for x in layers] == configs
     assert [choice_of(x) for x in layers] == [None, None]
     assert len(model.weights) == 12
+    # Saved now, the model loads without keras_mgpu.
+    assert "keras_mgpu" not in model.to_json()
     # Plain behaviour again: statistics move on every call, as a fresh
     # plain model from the same state moves them.
     plain = deep_model()
