@@ -148,6 +148,8 @@ class _WindowStatisticsMixin:
     def __init__(
         self, *args, window: int = 1, statistics: str = "window", **kwargs
     ):
+        window = check_int(window, "window", minimum=1)
+        _check_statistics(statistics)
         _set_mode(self, window, statistics)
         super().__init__(*args, **kwargs)
 
@@ -173,7 +175,7 @@ class _WindowStatisticsMixin:
 
     @property
     def statistics(self) -> str:
-        """ "window" or "momentum" (see `use_window_statistics`)."""
+        """The statistics kept (see `use_window_statistics`)."""
         return self.__dict__[_STATISTICS]
 
     def build(self, *args, **kwargs):
@@ -211,6 +213,14 @@ class _WindowStatisticsMixin:
         outputs = super().call(inputs, training=training, mask=mask)
         _advance_window(self, state, inputs, mask, old_mean, old_var, active)
         return outputs
+
+
+def _check_statistics(statistics: Any) -> None:
+    if statistics not in STATISTICS:
+        raise ValueError(
+            f"Argument `statistics` must be one of {STATISTICS}. Received: "
+            f"statistics={statistics!r}"
+        )
 
 
 def _set_mode(layer: Any, window: int, statistics: str) -> None:
@@ -277,8 +287,9 @@ def _advance_window(layer, state, inputs, mask, old_mean, old_var, active):
     n = tf.cast(_count(layer, inputs, mask, channels), dtype)
 
     # tf_keras's fused kernel (4-D and 5-D inputs) moves the variance
-    # towards the micro-batch's unbiased variance: work in biased variances
-    # and give the window's the same correction, as its large batch would.
+    # towards the micro-batch's unbiased variance (measured with TF 2.21 in
+    # eager, tf.function and XLA alike): work in biased variances and give
+    # the window's the same correction, as its large batch would.
     bessel = bool(getattr(layer, "fused", False))
     if bessel:
         batch_var = batch_var * _bessel(n, inverse=True)
@@ -684,11 +695,7 @@ def use_window_statistics(
     """
     _check_model(model)
     window = _window_of(window, optimizer)
-    if statistics not in STATISTICS:
-        raise ValueError(
-            f"Argument `statistics` must be one of {STATISTICS}. Received: "
-            f"statistics={statistics!r}"
-        )
+    _check_statistics(statistics)
     layers = batchnorm_layers(model)
     if not layers:
         raise ValueError(

@@ -153,6 +153,22 @@ def test_window_is_exact_on_random_data_with_uneven_micro_batches():
     assert errors["momentum"] < errors[None]
 
 
+def test_window_is_exact_under_xla():
+    # BatchNormalization first: its statistics depend on the data only, so
+    # plain SGD (updating every step) does not disturb them.
+    x = (RNG.normal(size=(32, 6)) * 3.0 + 2.0).astype("float32")
+    y = RNG.normal(size=(32, 1)).astype("float32")
+    runs = []
+    for statistics, batch in ((None, 32), ("window", MICRO)):
+        model = first_bn_model()
+        if statistics is not None:
+            use_window_statistics(model, window=K)
+        model.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=True)
+        model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+        runs.append(moving(model))
+    assert max_diff(runs[1], runs[0]) < 1e-5
+
+
 def test_pipeline_micro_batches_with_window_equal_the_large_batch():
     from keras_mgpu.placement import apply_placement
 
