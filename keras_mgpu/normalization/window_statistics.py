@@ -151,6 +151,9 @@ class _WindowStatisticsMixin:
         window = check_int(window, "window", minimum=1)
         _check_statistics(statistics)
         _set_mode(self, window, statistics)
+        # Made from a config (a `.keras` file, `clone_model`, a placed copy):
+        # the choice is made already.
+        mark_choice(self, statistics)
         super().__init__(*args, **kwargs)
 
     # The momentum Keras's `call` applies per call; the user's stays in
@@ -178,10 +181,11 @@ class _WindowStatisticsMixin:
         """The statistics kept (see `use_window_statistics`)."""
         return self.__dict__[_STATISTICS]
 
-    def build(self, *args, **kwargs):
+    def build(self, input_shape):
         # tf_keras calls the class's `build`; Keras 3 calls the `build` the
-        # instance was made with, then `_post_build` (below).
-        super().build(*args, **kwargs)
+        # instance was made with, then `_post_build` (below). The signature
+        # is BatchNormalization's: Keras 3 binds shapes to its names.
+        super().build(input_shape)
         _ensure_state(self)
 
     def _post_build(self):

@@ -169,24 +169,32 @@ def test_window_is_exact_under_xla():
     assert max_diff(runs[1], runs[0]) < 1e-5
 
 
-def test_pipeline_micro_batches_with_window_equal_the_large_batch():
+@pytest.mark.parametrize("switch", ["after_placement", "before_placement"])
+def test_pipeline_micro_batches_with_window_equal_the_large_batch(switch):
     from keras_mgpu.placement import apply_placement
 
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
     x = (RNG.normal(size=(32, 6)) * 3.0 + 2.0).astype("float32")
     y = RNG.normal(size=(32, 1)).astype("float32")
 
-    def placed_model():
+    def placed_model(window=None):
         keras.utils.set_random_seed(7)
         inputs = keras.Input((6,))
         hidden = keras.layers.BatchNormalization(momentum=0.9)(inputs)
         hidden = keras.layers.Dense(5)(hidden)
         model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
-        return apply_placement(model, devices, micro_batches=4)
+        if window and switch == "before_placement":
+            # The placed copy is made from the config: switched and marked.
+            use_window_statistics(model, window=window)
+        placed = apply_placement(model, devices, micro_batches=4)
+        if window and switch == "after_placement":
+            use_window_statistics(placed, window=window)
+        return placed
 
     large = moving(fit_large(first_bn_model, x, y, batch=32))
     plain = placed_model()
-    windowed = use_window_statistics(placed_model(), window=4)
+    windowed = placed_model(window=4)
+    assert [choice_of(x) for x in batchnorm_layers(windowed)] == ["window"]
     for model in (plain, windowed):
         model.compile(keras.optimizers.SGD(0.1), "mse")
         model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
