@@ -278,6 +278,44 @@ def test_weights_checkpoint_resumes_mid_window(tmp_path):
     assert max_diff(moving(resumed), moving(uninterrupted)) < 1e-6
 
 
+def test_backup_and_restore_resumes_mid_window(tmp_path):
+    # 6 micro-batches per epoch, windows of 4: the epoch's backup is taken
+    # mid-window, with the accumulation optimizer mid-window too.
+    x = np.concatenate([X_MICRO[::-1], X_MICRO, X_MICRO * 0.5] * 2)
+    y = np.concatenate([Y_MICRO[::-1], Y_MICRO, Y_MICRO] * 2)
+
+    def build():
+        model = use_window_statistics(deep_model(), window=K)
+        model.compile(make_optimizer("sgd", K), "mse")
+        return model
+
+    def train(model, callbacks):
+        model.fit(
+            x,
+            y,
+            batch_size=MICRO,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("interrupted")
+
+    uninterrupted = build()
+    train(uninterrupted, [])
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        train(build(), [backup, Interrupt()])
+    resumed = build()
+    train(resumed, [keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
+    for a, b in zip(resumed.weights, uninterrupted.weights, strict=True):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
+
+
 def test_restore_gives_back_the_plain_layer():
     model = deep_model()
     configs = [layer.get_config() for layer in batchnorm_layers(model)]
