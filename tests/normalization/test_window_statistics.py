@@ -236,6 +236,27 @@ def test_mirrored_two_replicas(mirrored_strategy, tmp_path):
         np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
+def test_synchronized_and_window_equal_the_global_large_batch(
+    mirrored_strategy,
+):
+    # synchronized=True: each micro-batch's statistics are global, so the
+    # window is the global large batch's, on random data.
+    x = (RNG.normal(size=(64, 6)) * 3.0 + 2.0).astype("float32")
+    y = RNG.normal(size=(64, 1)).astype("float32")
+    large = moving(fit_large(first_bn_model, x, y, batch=8 * K))
+    with mirrored_strategy(2).scope():
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((6,))
+        layer = keras.layers.BatchNormalization(momentum=0.9, synchronized=True)
+        outputs = keras.layers.Dense(1)(layer(inputs))
+        model = use_window_statistics(keras.Model(inputs, outputs), window=K)
+        model.compile(make_optimizer("sgd", K), "mse")
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    replicas = [np.array(v) for v in layer.moving_variance.value.values]
+    assert max_diff(replicas, [large[1], large[1]]) < 1e-5
+    assert max_diff(moving(model), large) < 1e-5
+
+
 def test_keras_file_round_trip_resumes_mid_window(tmp_path):
     x = np.concatenate([X_MICRO[::-1], X_MICRO] * K)
     y = np.concatenate([Y_MICRO[::-1], Y_MICRO] * K)
