@@ -214,10 +214,13 @@ def test_mirrored_two_replicas(mirrored_strategy, tmp_path):
     strategy = mirrored_strategy(2)
     with strategy.scope():
         model = first_bn_model()
-        use_window_statistics(model, window=K)
         model.compile(make_optimizer("sgd", K), "mse")
-    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    # Outside the scope: the accumulators go where the statistics are.
+    use_window_statistics(model, window=K)
     layer = batchnorm_layers(model)[0]
+    for variable in window_state(layer):
+        assert len(variable.value.values) == 2
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     for variable in (layer.moving_mean, layer.moving_variance):
         values = [np.array(v) for v in variable.value.values]
         assert len(values) == 2
