@@ -32,6 +32,7 @@ from keras_mgpu._flavour import (
     FLAVOUR,
     flavour_of,
     keras_of,
+    object_flavour,
     register_serializable,
     tf,
 )
@@ -448,16 +449,10 @@ def window_batch_normalization_class(flavour: str | None = None) -> type:
 
 
 def _check_model(model: Any, argument: str = "model") -> None:
-    found = None
-    for klass in type(model).__mro__:
-        module = klass.__module__ or ""
-        if module.startswith("tf_keras"):
-            found = "tf_keras"
-            break
-        if module == "keras" or module.startswith("keras."):
-            found = "keras3"
-            break
-    if found is None or not isinstance(model, keras_of(found).layers.Layer):
+    found = object_flavour(model)
+    if found not in ("keras3", "tf_keras") or not isinstance(
+        model, keras_of(found).layers.Layer
+    ):
         raise TypeError(
             f"Argument `{argument}` must be a Keras model or layer (Keras 3 "
             f"or tf_keras). Received: {argument}={model!r} (of type "
