@@ -50,6 +50,7 @@ if IS_TF_KERAS:
         "callbacks/*",
         "layers/*",
         "monitoring/*",
+        "normalization/*",
         "testing/*",
         "test_*.py",
     ]

@@ -22,6 +22,7 @@ PACKAGES = (
     "keras_mgpu.distribute",
     "keras_mgpu.layers",
     "keras_mgpu.monitoring",
+    "keras_mgpu.normalization",
     "keras_mgpu.optimizers",
     "keras_mgpu.placement",
     "keras_mgpu.schedules",
