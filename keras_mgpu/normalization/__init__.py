@@ -5,5 +5,19 @@ See docs/guides/batchnorm.md for which remedy to use when.
 """
 
 from keras_mgpu.normalization._find import batchnorm_layers
+from keras_mgpu.normalization._warn import BatchNormMicroBatchWarning
+from keras_mgpu.normalization.conversions import (
+    accept_micro_batch_statistics,
+    convert_batchnorm_to_groupnorm,
+    freeze_batchnorm,
+    synchronize_batchnorm,
+)
 
-__all__ = ["batchnorm_layers"]
+__all__ = [
+    "BatchNormMicroBatchWarning",
+    "accept_micro_batch_statistics",
+    "batchnorm_layers",
+    "convert_batchnorm_to_groupnorm",
+    "freeze_batchnorm",
+    "synchronize_batchnorm",
+]
