@@ -96,13 +96,30 @@ def warn_if_unremedied(
     return True
 
 
-def mark_warned(model: Any) -> None:
-    """Count `model` as warned about (e.g. a placed copy of a model that
-    was warned about already)."""
+def carry_batchnorm_choices(source: Any, copy: Any) -> None:
+    """Give the BatchNormalization layers of `copy` (a model rebuilt from
+    `source`'s configs, e.g. by `apply_placement`) the remedy choices of
+    their namesakes in `source`, and its "warned" state: the rebuilt
+    layers are new objects, but the user's choice was made for them.
+    Names that are not unique in `source` are skipped."""
+    from keras_mgpu.normalization._find import (
+        batchnorm_layers,
+        choice_of,
+        mark_choice,
+    )
+
     try:
-        object.__setattr__(model, _WARNED_ATTR, True)
-    except Exception:  # noqa: BLE001
-        pass
+        choices: dict = {}
+        for layer in batchnorm_layers(source):
+            choices.setdefault(layer.name, []).append(choice_of(layer))
+        for layer in batchnorm_layers(copy):
+            found = choices.get(layer.name, [])
+            if len(found) == 1 and found[0] is not None:
+                mark_choice(layer, found[0])
+        if source.__dict__.get(_WARNED_ATTR):
+            object.__setattr__(copy, _WARNED_ATTR, True)
+    except Exception:  # noqa: BLE001 - bookkeeping only
+        return
 
 
 def _model_classes() -> tuple:
