@@ -218,7 +218,7 @@ def apply_placement(
     if micro_batches and micro_batches > 1:
         _check_dense_inputs(functional, micro_batches)
         # BatchNormalization per micro-batch, with no choice made: once.
-        warn_if_unremedied(model, micro_batches=micro_batches, stacklevel=3)
+        warn_if_unremedied(model, micro_batches=micro_batches)
     placeable = _graph.units(functional)
     device_list = assign_devices(
         model,

@@ -51,11 +51,12 @@ def _fit_and_count(model, steps: int, strategy=None, compiles: int = 2):
                     "mse",
                 )
             model.fit(X, Y, batch_size=4, epochs=2, verbose=0)
-    return [
-        str(w.message)
-        for w in caught
-        if issubclass(w.category, BatchNormMicroBatchWarning)
+    found = [
+        w for w in caught if issubclass(w.category, BatchNormMicroBatchWarning)
     ]
+    # It names the user's line (the `fit` call), not Keras's.
+    assert all(w.filename == __file__ for w in found)
+    return [str(w.message) for w in found]
 
 
 def test_accumulation_warns_once_naming_layers_steps_and_choices():
@@ -126,8 +127,9 @@ def test_custom_loop_without_a_model_on_the_stack_is_silent():
 
 def test_pipelined_placement_warns_once_and_carries_choices():
     model = _model()
-    with pytest.warns(BatchNormMicroBatchWarning, match="micro_batches=2"):
+    with pytest.warns(BatchNormMicroBatchWarning, match="micro_batches=2") as w:
         placed = apply_placement(model, ["/cpu:0", "/cpu:1"], micro_batches=2)
+    assert w[0].filename == __file__
     # The placed copy counts as warned about (no second warning in fit).
     assert _fit_and_count(placed, steps=2, compiles=1) == []
     with warnings.catch_warnings():
