@@ -154,8 +154,10 @@ def apply_placement(
     the un-pipelined model's for layers that treat examples independently.
     Random layers draw per micro-batch, and BatchNormalization normalises
     and updates its statistics per micro-batch (M updates per step), as
-    under gradient accumulation. Training batches need at least M
-    examples.
+    under gradient accumulation (with M > 1 and no choice made in
+    `keras_mgpu.normalization`, one `BatchNormMicroBatchWarning` says so;
+    the placed copy keeps the choices made on `model`). Training batches
+    need at least M examples.
 
     Recompute (GPipe's re-materialisation) composes in either order.
     Layers recomputed in place (`apply_recompute(..., in_place=True)`)
