@@ -163,12 +163,28 @@ def _owns(model: Any, variable_ids: set) -> bool:
     return any(id(v) in variable_ids for v in model.trainable_variables)
 
 
+# Model methods that build an optimizer without training: loading a saved
+# model builds its optimizer from `compile_from_config` (Keras 3.10-3.15),
+# and a model loaded for inference must not be warned about.
+_NOT_TRAINING = frozenset(
+    (
+        "compile_from_config",
+        "load_own_variables",
+        "_load_state",
+        "load_weights",
+        "build_from_config",
+    )
+)
+
+
 def _model_in_frames(frame: Any, classes: tuple, variable_ids: set) -> Any:
     for _ in range(_MAX_FRAMES):
         if frame is None:
             return None
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, classes) and _owns(candidate, variable_ids):
+            if frame.f_code.co_name in _NOT_TRAINING:
+                return None
             return candidate
         frame = frame.f_back
     return None

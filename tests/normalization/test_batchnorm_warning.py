@@ -75,6 +75,20 @@ def test_accumulation_warns_once_naming_layers_steps_and_choices():
     assert issubclass(BatchNormMicroBatchWarning, UserWarning)
 
 
+def test_loading_a_saved_model_is_silent_until_it_trains(tmp_path):
+    model = _model()
+    accept_micro_batch_statistics(model)  # the mark is not saved
+    _fit_and_count(model, steps=2, compiles=1)
+    path = str(tmp_path / "accumulated.keras")
+    model.save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BatchNormMicroBatchWarning)
+        loaded = keras.models.load_model(path)  # builds the optimizer
+        loaded.predict(X, verbose=0)
+    with pytest.warns(BatchNormMicroBatchWarning):
+        loaded.fit(X, Y, batch_size=4, verbose=0)
+
+
 def test_warns_once_under_mirrored_replicas(mirrored_strategy):
     strategy = mirrored_strategy(2)
     with strategy.scope():
