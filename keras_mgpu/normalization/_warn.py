@@ -220,6 +220,16 @@ def calling_model(variables: list) -> Any:
     return None
 
 
+def _plain_python(function: Any) -> Any:
+    """Keep AutoGraph from converting `function` when an optimizer applies
+    gradients inside a user's `tf.function`: it reads the Python stack,
+    which a converted copy does not see as written."""
+    from keras_mgpu._flavour import tf
+
+    return tf.autograph.experimental.do_not_convert(function)
+
+
+@_plain_python
 def check_from_optimizer(optimizer: Any, variables: Any) -> None:
     """Called by `GradientAccumulationOptimizer` in `build` and `apply`:
     find the model being trained and warn once about its

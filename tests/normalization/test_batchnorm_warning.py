@@ -122,20 +122,27 @@ def test_silent_for_one_step_and_without_batchnorm():
     assert _fit_and_count(_model(batchnorm=False), steps=3, compiles=1) == []
 
 
-def test_custom_loop_without_a_model_on_the_stack_is_silent():
-    # The model cannot be found: no warning, no error, and the look-up
-    # stops after a few steps.
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_custom_loop_without_a_model_on_the_stack_is_silent(graph):
+    # The model cannot be found: no warning, no error (also when AutoGraph
+    # converts the step), and the look-up stops after a few steps.
     model = _model()
     optimizer = GradientAccumulationOptimizer(
         keras.optimizers.SGD(0.01), accumulation_steps=2
     )
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(X, training=True) - Y) ** 2)
+        variables = model.trainable_variables
+        optimizer.apply(tape.gradient(loss, variables), variables)
+
+    if graph:
+        step = tf.function(step)
     with warnings.catch_warnings():
         warnings.simplefilter("error", BatchNormMicroBatchWarning)
         for _ in range(4):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((model(X, training=True) - Y) ** 2)
-            variables = model.trainable_variables
-            optimizer.apply(tape.gradient(loss, variables), variables)
+            step()
     assert optimizer.__dict__["_keras_mgpu_batchnorm_looked"] is True
 
 
