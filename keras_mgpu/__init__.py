@@ -44,6 +44,7 @@ _SUBMODULES = (
     "distribute",
     "layers",
     "monitoring",
+    "normalization",
     "optimizers",
     "placement",
     "schedules",
@@ -59,6 +60,7 @@ if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
         distribute,  # noqa: F401
         layers,  # noqa: F401
         monitoring,  # noqa: F401
+        normalization,  # noqa: F401
         optimizers,  # noqa: F401
         placement,  # noqa: F401
         schedules,  # noqa: F401

@@ -19,6 +19,7 @@ from keras_mgpu._flavour import (
 )
 from keras_mgpu._validation import check_int
 from keras_mgpu.distribute import strategy_kind
+from keras_mgpu.normalization._warn import check_from_optimizer
 from keras_mgpu.optimizers._accumulation_common import (
     DENSE,
     INNER_ONLY_ARGUMENTS,
@@ -312,6 +313,12 @@ class GradientAccumulationOptimizer(
     forward pass, as with any Keras model. Their values after a window
     therefore differ from one large-batch step (K momentum updates with
     micro-batch statistics instead of one with large-batch statistics).
+    With `accumulation_steps > 1`, a model with trainable
+    BatchNormalization layers and no choice made about them gets one
+    `keras_mgpu.normalization.BatchNormMicroBatchWarning` (the model is
+    found when `fit` builds the optimizer or its `train_step` applies it;
+    a custom loop calling `apply` outside a model's `train_step` is not
+    warned about); see docs/guides/batchnorm.md for the remedies.
 
     Args:
         inner_optimizer: A Keras 3 `keras.optimizers.Optimizer` that applies
@@ -417,6 +424,9 @@ class GradientAccumulationOptimizer(
     def build(self, var_list: list) -> None:
         if self.built:
             return
+        # `fit` builds the optimizer from the model's `_symbolic_build`:
+        # the model is on the stack (BatchNormalization warning, once).
+        check_from_optimizer(self, var_list)
         self.inner_optimizer.build(var_list)
         # The base build would create EMA variables for a `use_ema` that
         # reads the inner's; the inner's own `apply` keeps the averages.
@@ -563,6 +573,9 @@ class GradientAccumulationOptimizer(
                 )
             trainable_variables = self._trainable_variables
         trainable_variables = list(trainable_variables)
+        # The model's `train_step` is on the stack (a dictionary lookup
+        # once the model was found or given up on).
+        check_from_optimizer(self, trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)

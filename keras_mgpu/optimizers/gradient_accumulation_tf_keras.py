@@ -17,6 +17,7 @@ from keras_mgpu._flavour import (
     tf,
 )
 from keras_mgpu._validation import check_int
+from keras_mgpu.normalization._warn import check_from_optimizer
 from keras_mgpu.optimizers._accumulation_common import (
     DENSE,
     INNER_ONLY_ARGUMENTS,
@@ -114,7 +115,9 @@ class GradientAccumulationOptimizer(
     `tf.IndexedSlices` (unique indices, as tf_keras's own deduplication
     makes them), so it updates sparsely where it would without accumulation.
     **Non-trainable weights** (e.g. `BatchNormalization` statistics) keep
-    updating on every micro-batch's forward pass, as with any Keras model.
+    updating on every micro-batch's forward pass, as with any Keras model;
+    a model with trainable BatchNormalization and no choice made about it
+    gets one `BatchNormMicroBatchWarning` (see the Keras 3 class).
 
     Args:
         inner_optimizer: A tf_keras `tf_keras.optimizers.Optimizer` (not a
@@ -364,6 +367,9 @@ class GradientAccumulationOptimizer(
         if not pairs:
             return self.iterations
         variables = [v for _, v in pairs]
+        # The model's `train_step` is on the stack (BatchNormalization
+        # warning, once; a dictionary lookup afterwards).
+        check_from_optimizer(self, variables)
         with tf.init_scope():
             # Lift variable creation out of any tf.function, as tf_keras
             # optimizers do.

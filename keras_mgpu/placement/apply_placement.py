@@ -19,6 +19,10 @@ from keras_mgpu.layers.recompute_in_place import (
     is_switched_per_layer,
     recompute_layer_in_place,
 )
+from keras_mgpu.normalization._warn import (
+    carry_batchnorm_choices,
+    warn_if_unremedied,
+)
 from keras_mgpu.placement import _graph
 from keras_mgpu.placement.devices import check_strategy, variables_on
 from keras_mgpu.placement.partition import assign_devices
@@ -150,8 +154,10 @@ def apply_placement(
     the un-pipelined model's for layers that treat examples independently.
     Random layers draw per micro-batch, and BatchNormalization normalises
     and updates its statistics per micro-batch (M updates per step), as
-    under gradient accumulation. Training batches need at least M
-    examples.
+    under gradient accumulation (with M > 1 and no choice made in
+    `keras_mgpu.normalization`, one `BatchNormMicroBatchWarning` says so;
+    the placed copy keeps the choices made on `model`). Training batches
+    need at least M examples.
 
     Recompute (GPipe's re-materialisation) composes in either order.
     Layers recomputed in place (`apply_recompute(..., in_place=True)`)
@@ -213,6 +219,8 @@ def apply_placement(
     functional = _graph.as_functional(model)
     if micro_batches and micro_batches > 1:
         _check_dense_inputs(functional, micro_batches)
+        # BatchNormalization per micro-batch, with no choice made: once.
+        warn_if_unremedied(model, micro_batches=micro_batches)
     placeable = _graph.units(functional)
     device_list = assign_devices(
         model,
@@ -237,6 +245,7 @@ def apply_placement(
         inputs, outputs = pipelined(stages, micro_batches, device_list[0], last)
         placed = PlacedModel(inputs, outputs, name=model.name)
     _carry_recompute(model, placeable, placed, "apply_placement")
+    carry_batchnorm_choices(model, placed)
     return placed
 
 
@@ -315,6 +324,7 @@ def strip_placement(model: Any) -> Any:
         else:
             pairs.append((layer.layer, copy))
     carry_recompute(pairs, (stages, plain), "strip_placement")
+    carry_batchnorm_choices(model, plain)
     return plain
 
 
