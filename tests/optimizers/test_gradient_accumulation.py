@@ -13,6 +13,7 @@ from _training import assert_weights_close, mlp, regression_data
 
 from keras_mgpu import GradientAccumulationOptimizer
 from keras_mgpu._flavour import keras, tf
+from keras_mgpu.normalization import BatchNormMicroBatchWarning
 
 ACCUMULATION = 3
 MICRO_BATCH = 8  # global micro-batch (split across replicas)
@@ -313,7 +314,8 @@ def test_batch_normalization_trains_and_updates_moving_stats_per_micro_batch():
         optimizer=GradientAccumulationOptimizer(keras.optimizers.SGD(0.1), 4),
         loss="mse",
     )
-    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    with pytest.warns(BatchNormMicroBatchWarning):
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     # Closed form of 4 momentum updates with micro-batch means.
     expected = np.zeros(6, "float32")
     for start in range(0, 32, 8):

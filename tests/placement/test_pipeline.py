@@ -18,6 +18,7 @@ from _placement_helpers import (
 )
 
 from keras_mgpu import _flavour
+from keras_mgpu.normalization import BatchNormMicroBatchWarning
 from keras_mgpu.placement import (
     PlacedModel,
     apply_placement,
@@ -110,7 +111,8 @@ def test_batch_normalization_sees_micro_batches():
             keras.layers.BatchNormalization(momentum=0.5, name="bn"),
         ]
     )
-    placed = apply_placement(model, CPUS[:2], micro_batches=2)
+    with pytest.warns(BatchNormMicroBatchWarning, match="micro"):
+        placed = apply_placement(model, CPUS[:2], micro_batches=2)
     x, _ = data(8)
     placed(x, training=True)
     hidden = model.get_layer("d")(x).numpy()
