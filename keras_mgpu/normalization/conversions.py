@@ -4,8 +4,9 @@ per-micro-batch statistics knowingly.
 
 `synchronize_batchnorm`, `freeze_batchnorm` and
 `accept_micro_batch_statistics` change the model's layers in place and are
-undone by calling them again with `False`; `convert_batchnorm_to_groupnorm`
-returns a new model. Each records its choice on the layers
+undone by calling them again with their flag `False` (e.g.
+`frozen=False`); `convert_batchnorm_to_groupnorm` returns a new model.
+Each records its choice on the layers
 (`keras_mgpu.normalization._find.mark_choice`), which silences the
 `BatchNormMicroBatchWarning` where the choice addresses micro-batches.
 """
@@ -29,8 +30,8 @@ from keras_mgpu.normalization._find import (
 
 logger = logging.getLogger(__name__)
 
-# What a remedy changed on a layer, so that `remedy(model, False)` puts it
-# back: {remedy: {attribute: original value}}. Set with
+# What a remedy changed on a layer, so that `remedy(model, flag=False)`
+# puts it back: {remedy: {attribute: original value}}. Set with
 # `object.__setattr__`, invisible to Keras's tracking and to `get_config`.
 _SAVED_ATTR = "_keras_mgpu_batchnorm_saved"
 
@@ -220,7 +221,7 @@ def _unset_synchronized(layer: Any, keras: Any) -> None:
         mark_choice(layer, record["choice"])
 
 
-def synchronize_batchnorm(model: Any, synchronized: bool = True) -> Any:
+def synchronize_batchnorm(model: Any, *, synchronized: bool = True) -> Any:
     """Make every BatchNormalization layer of `model` compute its batch
     statistics over all replicas (in place).
 
@@ -289,7 +290,7 @@ def synchronize_batchnorm(model: Any, synchronized: bool = True) -> Any:
 # ----------------------------------------------------------------------
 # freeze_batchnorm
 # ----------------------------------------------------------------------
-def freeze_batchnorm(model: Any, frozen: bool = True) -> Any:
+def freeze_batchnorm(model: Any, *, frozen: bool = True) -> Any:
     """Freeze every BatchNormalization layer of `model` (in place): the
     fine-tuning answer to small or split batches.
 
@@ -369,7 +370,8 @@ def freeze_batchnorm(model: Any, frozen: bool = True) -> Any:
         )
         if unknown:
             warnings.warn(
-                "`freeze_batchnorm(model, False)`: the model's optimizer was "
+                "`freeze_batchnorm(model, frozen=False)`: the model's "
+                "optimizer was "
                 "built while the BatchNormalization layers were frozen and "
                 f"cannot update {len(unknown)} of their variables "
                 f"({unknown[0].name}, ...). Compile the model again, with a "
@@ -383,7 +385,7 @@ def freeze_batchnorm(model: Any, frozen: bool = True) -> Any:
 # ----------------------------------------------------------------------
 # accept_micro_batch_statistics
 # ----------------------------------------------------------------------
-def accept_micro_batch_statistics(model: Any, accepted: bool = True) -> Any:
+def accept_micro_batch_statistics(model: Any, *, accepted: bool = True) -> Any:
     """Say that per-micro-batch BatchNormalization is what you want: marks
     every BatchNormalization layer of `model` "accepted", which silences
     `BatchNormMicroBatchWarning` for it. Nothing else changes.

@@ -84,7 +84,7 @@ def test_synchronized_statistics_are_the_global_batch(
     model.save(path)
     loaded = keras.models.load_model(path)
     assert [layer.synchronized for layer in batchnorm_layers(loaded)] == [True]
-    synchronize_batchnorm(model, False)
+    synchronize_batchnorm(model, synchronized=False)
     assert type(bn) is keras.layers.BatchNormalization
     assert not bn.synchronized and choice_of(bn) is None
     np.testing.assert_allclose(step()[1], shards[1].mean(0), rtol=1e-5)
@@ -100,7 +100,7 @@ def test_freeze_after_compile_takes_effect_and_is_reversible():
     model.fit(X, Y, batch_size=8, epochs=2, verbose=0)
     for old, new in zip(before, bn.weights, strict=True):
         np.testing.assert_array_equal(old, new)
-    freeze_batchnorm(model, False)
+    freeze_batchnorm(model, frozen=False)
     assert bn.trainable and choice_of(bn) is None
     model.fit(X, Y, batch_size=8, verbose=0)
     assert not np.array_equal(before[0], bn.weights[0])
@@ -112,7 +112,7 @@ def test_unfreeze_warns_when_the_optimizer_was_built_frozen():
     freeze_batchnorm(model)
     model.fit(X, Y, batch_size=8, verbose=0)
     with pytest.warns(UserWarning, match="Compile the model again"):
-        freeze_batchnorm(model, False)
+        freeze_batchnorm(model, frozen=False)
 
 
 def test_convert_to_groupnorm_trains_and_round_trips(tmp_path):

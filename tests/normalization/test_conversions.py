@@ -338,7 +338,7 @@ def test_synchronized_statistics_are_the_global_batch_and_reversible(
     model.save(path)
     loaded = keras.models.load_model(path)
     assert [layer.synchronized for layer in batchnorm_layers(loaded)] == [True]
-    synchronize_batchnorm(model, False)
+    synchronize_batchnorm(model, synchronized=False)
     assert not bn.synchronized and choice_of(bn) is None
     again = _step(strategy, model, bn, shards)
     np.testing.assert_allclose(again[1], shards[1].mean(axis=0), rtol=1e-5)
@@ -358,7 +358,7 @@ def test_synchronize_reaches_a_compiled_model_and_keeps_a_micro_choice():
     assert choice_of(model.get_layer("bn")) == "synchronized"
     assert choice_of(inner_bn) == "window"
     model.fit(x, y, batch_size=4, verbose=0)
-    synchronize_batchnorm(model, False)
+    synchronize_batchnorm(model, synchronized=False)
     assert choice_of(inner_bn) == "window"
     assert choice_of(model.get_layer("bn")) is None
 
@@ -387,7 +387,7 @@ def test_freeze_after_fit_takes_effect_without_compile_and_is_reversible():
     np.testing.assert_allclose(
         model(x, training=True), model(x, training=False), rtol=1e-6
     )
-    freeze_batchnorm(model, False)
+    freeze_batchnorm(model, frozen=False)
     assert bn.trainable and choice_of(bn) is None
     # The layer frozen by the user before stays frozen.
     assert not model.get_layer("inner").get_layer("inner_bn").trainable
@@ -402,7 +402,7 @@ def test_unfreeze_warns_when_the_optimizer_was_built_frozen():
     x, y = _data()
     model.fit(x, y, batch_size=4, verbose=0)
     with pytest.warns(UserWarning, match="Compile the model again"):
-        freeze_batchnorm(model, False)
+        freeze_batchnorm(model, frozen=False)
     model.compile(keras.optimizers.SGD(0.1), "mse")
     model.fit(x, y, batch_size=4, verbose=0)
 
@@ -413,5 +413,5 @@ def test_accept_marks_and_unmarks():
     assert {choice_of(layer) for layer in batchnorm_layers(model)} == {
         "accepted"
     }
-    accept_micro_batch_statistics(model, False)
+    accept_micro_batch_statistics(model, accepted=False)
     assert {choice_of(layer) for layer in batchnorm_layers(model)} == {None}
