@@ -280,7 +280,7 @@ def test_non_models_are_type_errors_and_models_without_bn_warn(function):
 )
 def test_switch_must_be_a_bool(function, argument):
     with pytest.raises(TypeError, match=f"`{argument}` must be True or False"):
-        function(_conv_net(False), 1)
+        function(_conv_net(False), **{argument: 1})
 
 
 # ----------------------------------------------------------------------
