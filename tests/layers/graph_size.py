@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from keras_mgpu._flavour import keras, tf
+from keras_mgpu._flavour import keras
 from keras_mgpu.layers import apply_recompute
 
 BLOCKS, DEPTH, WIDTH, BATCH = 3, 2, 8, 4
