@@ -270,6 +270,8 @@ def _activation_floor(args: argparse.Namespace) -> float | None:
 def _target_met(case, args, memory_ratio, time_ratio):
     """The issues' targets: sqrt <= 0.5x memory at <= 1.4x time; per block
     on a deep MLP (`--depth`) <= 0.35x memory at <= 1.40x time."""
+    if memory_ratio is None:
+        return None
     if case == "sqrt":
         return bool(memory_ratio <= 0.5 and time_ratio <= 1.4)
     if case in ("per_block", "in_place") and args.depth:
@@ -292,7 +294,7 @@ def main() -> None:
         "--memory-repeats",
         type=int,
         default=3,
-        help="memory subprocesses per case (median)",
+        help="memory subprocesses per case (median); 0: time only",
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--deep", action="store_true")
@@ -300,7 +302,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.blocks, args.width, args.batch = 12, 128, 512
-        args.rounds, args.steps, args.memory_repeats = 3, 2, 1
+        args.rounds, args.steps = 3, 2
+        args.memory_repeats = min(args.memory_repeats, 1)
     if args.deep:  # the issue's deep MLP, unless sizes are given
         args.depth = args.depth or 4
         args.blocks = 8 if args.blocks == 24 else args.blocks
@@ -324,9 +327,9 @@ def main() -> None:
             "step_time_ms_rounds": [round(1000 * t, 1) for t in rounds[case]],
             **sizes[case],
         }
-        if not good:
-            row["error"] = runs[-1]["error"] if runs else "no memory run"
-        else:
+        if runs and not good:
+            row["error"] = runs[-1]["error"]
+        elif good:
             row["device"] = good[0]["device"]
             row["wrappers"] = good[0]["wrappers"]
             for key in ("step_peak_mib", "rss_growth_mib"):
@@ -340,8 +343,10 @@ def main() -> None:
         row = rows[case]
         if "error" in row or "error" in base:
             continue
-        key = "step_peak_mib" if base["step_peak_mib"] else "rss_growth_mib"
-        memory_ratio = row[key] / max(base[key], 1e-9)
+        key, memory_ratio = None, None
+        if "step_peak_mib" in base:  # --memory-repeats 0: time only
+            key = "step_peak_mib" if base["step_peak_mib"] else "rss_growth_mib"
+            memory_ratio = row[key] / max(base[key], 1e-9)
         # Paired per round: load that changes between rounds cancels.
         time_ratio = statistics.median(
             t / max(t0, 1e-9)
@@ -352,7 +357,9 @@ def main() -> None:
                 {
                     "ratio": f"{case}/none",
                     "memory_measure": key,
-                    "memory": round(memory_ratio, 3),
+                    "memory": None
+                    if memory_ratio is None
+                    else round(memory_ratio, 3),
                     "step_time": round(time_ratio, 3),
                     "extra_ops": row["optimized_ops"] - base["optimized_ops"],
                     "extra_matmuls": row["matmuls"] - base["matmuls"],
