@@ -37,11 +37,13 @@ may fuse MatMul with BiasAdd and ReLU, all counted). One extra forward per
 recomputed block adds exactly the block's MatMuls.
 
 With `--deep` (blocks as wide as their insides) per-block recompute has an
-activation floor: it keeps the `blocks + 1` block boundaries plus the
-`depth` activations of the block being recomputed, against the
-`blocks * depth + 1` that plain training keeps: (8 + 1 + 4) / 33 = 0.39 for
-8 blocks of 4, before gradients and transients, which both cases hold alike
-and which raise the ratio. The ratio line reports this floor
+activation floor. Plain training holds `blocks * depth + 1` activations
+when the backward pass starts (the input and every layer's output);
+per-block recompute holds the input and the outputs of the first
+`blocks - 1` blocks, plus the `depth` activations of the last block while
+it is recomputed: `blocks + depth`, (8 + 4) / 33 = 0.36 for 8 blocks of 4,
+before gradients and transient buffers, which both cases hold alike and
+which raise the ratio. The ratio line reports this floor
 ("activation_floor").
 
 Prints one JSON line per case (step time, extra memory and graph size side
@@ -263,7 +265,7 @@ def _activation_floor(args: argparse.Namespace) -> float | None:
     module docstring); None for other stacks."""
     if not args.depth:
         return None
-    kept = args.blocks + 1 + args.depth
+    kept = args.blocks + args.depth
     return round(kept / (args.blocks * args.depth + 1), 3)
 
 
