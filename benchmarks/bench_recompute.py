@@ -8,13 +8,13 @@ A deep stack of MLP blocks (Dense 4w ReLU, Dense w, LayerNormalization; with
 (`apply_recompute(model, blocks, policy="sqrt", in_place=False)`) and, side by
 side, each block called through TensorFlow's own `tf.recompute_grad`.
 
-Step time: the five models live in one process and are stepped in
-rounds; each round runs every case for `--steps` steps, in an order rotated
-from round to round (none, per_block, in_place, ...; then per_block,
-in_place, ..., none), so a busy machine slows all cases alike. A case's
-time ratio is the median over rounds of (its median step in the round /
-plain's median step in the same round): paired, so load that changes
-between rounds cancels. Raw per-round medians are printed too.
+Step time: the five models live in one process. Each step of a recompute
+case is paired with a plain step run right before or after it (which one
+goes first alternates: ABAB..., then BABA...), for `--steps` pairs per case
+per round, the cases in an order rotated from round to round. A case's
+time ratio is the median of its pairs' ratios: load that changes between
+pairs (the machine is shared) cancels. Raw step times and pair ratios are
+printed too.
 
 Memory ("extra memory"): each case runs alone in a subprocess so peaks do
 not mix, `--memory-repeats` times, the cases alternated (none, per_block,
@@ -211,28 +211,41 @@ def graph_size(model, x, y) -> dict:
     }
 
 
-def time_cases(args: argparse.Namespace) -> tuple[dict, dict]:
-    """Step times per round and graph sizes of each case, steps
-    interleaved across cases."""
+def time_cases(args: argparse.Namespace) -> tuple[dict, dict, dict]:
+    """Step times of each case, each step paired with a plain step run
+    right before or after it (ABAB... then BABA...), and graph sizes.
+
+    Returns (step times per case, ratios to the paired plain step per
+    case, graph sizes per case)."""
     models = {case: build_model(case, args) for case in CASES}
     sizes = {}
     for case, (model, x, y, _) in models.items():
         sizes[case] = graph_size(model, x, y)  # traces
         _step(model, x, y)
-    rounds: dict = {case: [] for case in CASES}
+
+    def timed(case: str) -> float:
+        model, x, y, _ = models[case]
+        start = time.perf_counter()
+        _step(model, x, y)
+        return time.perf_counter() - start
+
+    others = CASES[1:]
+    times: dict = {case: [] for case in CASES}
+    ratios: dict = {case: [] for case in others}
     for round_index in range(args.rounds):
-        # Rotate the order so no case always follows the same one.
-        shift = round_index % len(CASES)
-        order = CASES[shift:] + CASES[:shift]
-        for case in order:
-            model, x, y, _ = models[case]
-            times = []
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                _step(model, x, y)
-                times.append(time.perf_counter() - start)
-            rounds[case].append(statistics.median(times))
-    return rounds, sizes
+        # Rotate the order so no case always follows the same one, and
+        # alternate which of a pair runs first.
+        shift = round_index % len(others)
+        for case in others[shift:] + others[:shift]:
+            for step in range(args.steps):
+                if (round_index + step) % 2:
+                    t, t0 = timed(case), timed("none")
+                else:
+                    t0, t = timed("none"), timed(case)
+                times["none"].append(t0)
+                times[case].append(t)
+                ratios[case].append(t / max(t0, 1e-9))
+    return times, ratios, sizes
 
 
 def memory_cases(args: argparse.Namespace) -> dict:
@@ -314,7 +327,7 @@ def main() -> None:
         print(json.dumps(memory_child(args)))
         return
     memory_runs = memory_cases(args)
-    rounds, sizes = time_cases(args)
+    times, ratios, sizes = time_cases(args)
     rows = {}
     for case in CASES:
         runs = memory_runs[case]
@@ -325,8 +338,8 @@ def main() -> None:
             "width": args.width,
             "batch": args.batch,
             "depth": args.depth,
-            "step_time_ms": round(1000 * statistics.median(rounds[case]), 2),
-            "step_time_ms_rounds": [round(1000 * t, 1) for t in rounds[case]],
+            "step_time_ms": round(1000 * statistics.median(times[case]), 2),
+            "step_time_ms_runs": [round(1000 * t, 1) for t in times[case]],
             **sizes[case],
         }
         if runs and not good:
@@ -349,11 +362,8 @@ def main() -> None:
         if "step_peak_mib" in base:  # --memory-repeats 0: time only
             key = "step_peak_mib" if base["step_peak_mib"] else "rss_growth_mib"
             memory_ratio = row[key] / max(base[key], 1e-9)
-        # Paired per round: load that changes between rounds cancels.
-        time_ratio = statistics.median(
-            t / max(t0, 1e-9)
-            for t, t0 in zip(rounds[case], rounds["none"], strict=True)
-        )
+        # Paired step by step: load that changes between pairs cancels.
+        time_ratio = statistics.median(ratios[case])
         print(
             json.dumps(
                 {
@@ -363,6 +373,7 @@ def main() -> None:
                     if memory_ratio is None
                     else round(memory_ratio, 3),
                     "step_time": round(time_ratio, 3),
+                    "step_time_pairs": [round(r, 3) for r in ratios[case]],
                     "extra_ops": row["optimized_ops"] - base["optimized_ops"],
                     "extra_matmuls": row["matmuls"] - base["matmuls"],
                     "activation_floor": _activation_floor(args)
