@@ -8,22 +8,48 @@ A deep stack of MLP blocks (Dense 4w ReLU, Dense w, LayerNormalization; with
 (`apply_recompute(model, blocks, policy="sqrt", in_place=False)`) and, side by
 side, each block called through TensorFlow's own `tf.recompute_grad`.
 
-Step time: the three models live in one process and their steps are
-interleaved round by round (none, per_block, sqrt, none, ...), so a busy
-machine slows all three alike; the median step of each is reported.
+Step time: the five models live in one process. Each step of a recompute
+case is paired with a plain step run right before or after it (which one
+goes first alternates: ABAB..., then BABA...), for `--steps` pairs per case
+per round, the cases in an order rotated from round to round. A case's
+time ratio is the median of its pairs' ratios: load that changes between
+pairs (the machine is shared) cancels. Raw step times and pair ratios are
+printed too.
 
-Memory: each case runs alone in a subprocess so peaks do not mix. The
-figure is the TensorFlow allocator's peak during the measured steps minus
-what was resident before them (weights, optimizer slots), from
+Memory ("extra memory"): each case runs alone in a subprocess so peaks do
+not mix, `--memory-repeats` times, the cases alternated (none, per_block,
+..., none, per_block, ...). The figure is the TensorFlow allocator's peak
+during the measured steps minus what was resident just before them (the
+weights and optimizer slots, which recompute cannot change), from
 `tf.config.experimental.get_memory_info` on "GPU:0" when a GPU is present,
-otherwise on "CPU:0". TensorFlow keeps CPU allocator statistics only with
-oneDNN on, so the memory subprocesses run with `TF_ENABLE_ONEDNN_OPTS=1`.
-The process's peak RSS growth is reported beside it (coarse on CPU: freed
-memory is not always returned to the system).
+otherwise on "CPU:0": activations kept for backprop, gradients and
+transient buffers, i.e. the memory a step adds on top of the model. The
+ratio is the median of a case over the median of plain. TensorFlow keeps
+CPU allocator statistics only with oneDNN on, so the memory subprocesses
+run with `TF_ENABLE_ONEDNN_OPTS=1`. The process's peak RSS growth is
+reported beside it (coarse on CPU: freed memory is not always returned to
+the system).
 
-Prints one JSON line per case, then one line of ratios per policy against
-no recompute, with the issue's targets (sqrt policy: memory <= 0.5, step
-time <= 1.4).
+Graph size (deterministic, a regression signal independent of load): the
+ops of the traced train function as built ("graph_ops") and as it runs,
+after Grappler ("optimized_ops", with its MatMul count "matmuls"; oneDNN
+may fuse MatMul with BiasAdd and ReLU, all counted). One extra forward per
+recomputed block adds exactly the block's MatMuls.
+
+With `--deep` (blocks as wide as their insides) per-block recompute has an
+activation floor. Plain training holds `blocks * depth + 1` activations
+when the backward pass starts (the input and every layer's output);
+per-block recompute holds the input and the outputs of the first
+`blocks - 1` blocks, plus the `depth` activations of the last block while
+it is recomputed: `blocks + depth`, (8 + 4) / 33 = 0.36 for 8 blocks of 4,
+before gradients and transient buffers, which both cases hold alike and
+which raise the ratio. The ratio line reports this floor
+("activation_floor").
+
+Prints one JSON line per case (step time, extra memory and graph size side
+by side), then one line of ratios per case against no recompute, with the
+issues' targets (sqrt policy: memory <= 0.5, step time <= 1.4; per block on
+the deep MLP: memory <= 0.35, step time <= 1.40).
 
     python benchmarks/bench_recompute.py            # 24 blocks, width 256
     python benchmarks/bench_recompute.py --quick    # 12 blocks, width 128
@@ -160,24 +186,76 @@ def memory_child(args: argparse.Namespace) -> dict:
     }
 
 
-def time_cases(args: argparse.Namespace) -> dict:
-    """Median step time of each case, steps interleaved across cases."""
-    models = {case: build_model(case, args) for case in CASES}
-    for model, x, y, _ in models.values():
-        _step(model, x, y)  # trace
+def graph_size(model, x, y) -> dict:
+    """Ops of `model`'s train function as traced and as it runs (after
+    Grappler), from TensorFlow's run metadata of its first, tracing step
+    (`tensorflow.python.eager.context.enable_run_metadata`, private,
+    TensorFlow 2.21). Call before the model's first step."""
+    from tensorflow.python.eager import context
+
+    context.enable_run_metadata()
+    try:
         _step(model, x, y)
+        metadata = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    graphs = list(metadata.function_graphs)
+    if not graphs:  # pragma: no cover - already traced
+        return {}
+    main = max(graphs, key=lambda g: len(g.pre_optimization_graph.node))
+    optimized = main.post_optimization_graph.node
+    return {
+        "graph_ops": len(main.pre_optimization_graph.node),
+        "optimized_ops": len(optimized),
+        "matmuls": sum("MatMul" in node.op for node in optimized),
+    }
+
+
+def time_cases(args: argparse.Namespace) -> tuple[dict, dict, dict]:
+    """Step times of each case, each step paired with a plain step run
+    right before or after it (ABAB... then BABA...), and graph sizes.
+
+    Returns (step times per case, ratios to the paired plain step per
+    case, graph sizes per case)."""
+    models = {case: build_model(case, args) for case in CASES}
+    sizes = {}
+    for case, (model, x, y, _) in models.items():
+        sizes[case] = graph_size(model, x, y)  # traces
+        _step(model, x, y)
+
+    def timed(case: str) -> float:
+        model, x, y, _ = models[case]
+        start = time.perf_counter()
+        _step(model, x, y)
+        return time.perf_counter() - start
+
+    others = CASES[1:]
     times: dict = {case: [] for case in CASES}
+    ratios: dict = {case: [] for case in others}
     for round_index in range(args.rounds):
-        # Rotate the order so no case always follows the same one.
-        shift = round_index % len(CASES)
-        order = CASES[shift:] + CASES[:shift]
-        for case in order:
-            model, x, y, _ = models[case]
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                _step(model, x, y)
-                times[case].append(time.perf_counter() - start)
-    return {case: statistics.median(t) for case, t in times.items()}
+        # Rotate the order so no case always follows the same one, and
+        # alternate which of a pair runs first.
+        shift = round_index % len(others)
+        for case in others[shift:] + others[:shift]:
+            for step in range(args.steps):
+                if (round_index + step) % 2:
+                    t, t0 = timed(case), timed("none")
+                else:
+                    t0, t = timed("none"), timed(case)
+                times["none"].append(t0)
+                times[case].append(t)
+                ratios[case].append(t / max(t0, 1e-9))
+    return times, ratios, sizes
+
+
+def memory_cases(args: argparse.Namespace) -> dict:
+    """`--memory-repeats` peaks per case, one subprocess each, the cases
+    alternated."""
+    runs: dict = {case: [] for case in CASES}
+    for _ in range(args.memory_repeats):
+        for case in CASES:
+            runs[case].append(_run_memory_child(case, args))
+    return runs
 
 
 def _run_memory_child(case: str, args: argparse.Namespace) -> dict:
@@ -194,9 +272,21 @@ def _run_memory_child(case: str, args: argparse.Namespace) -> dict:
     return json.loads(lines[-1])
 
 
+def _activation_floor(args: argparse.Namespace) -> float | None:
+    """Per-block recompute on the deep MLP keeps the block boundaries and
+    one block's activations, plain training every activation (see the
+    module docstring); None for other stacks."""
+    if not args.depth:
+        return None
+    kept = args.blocks + args.depth
+    return round(kept / (args.blocks * args.depth + 1), 3)
+
+
 def _target_met(case, args, memory_ratio, time_ratio):
     """The issues' targets: sqrt <= 0.5x memory at <= 1.4x time; per block
     on a deep MLP (`--depth`) <= 0.35x memory at <= 1.40x time."""
+    if memory_ratio is None:
+        return None
     if case == "sqrt":
         return bool(memory_ratio <= 0.5 and time_ratio <= 1.4)
     if case in ("per_block", "in_place") and args.depth:
@@ -215,6 +305,12 @@ def main() -> None:
         "--depth", type=int, default=0, help="Dense w ReLU layers per block"
     )
     parser.add_argument("--memory-steps", type=int, default=2)
+    parser.add_argument(
+        "--memory-repeats",
+        type=int,
+        default=3,
+        help="memory subprocesses per case (median); 0: time only",
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--deep", action="store_true")
     parser.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
@@ -222,6 +318,7 @@ def main() -> None:
     if args.quick:
         args.blocks, args.width, args.batch = 12, 128, 512
         args.rounds, args.steps = 3, 2
+        args.memory_repeats = min(args.memory_repeats, 1)
     if args.deep:  # the issue's deep MLP, unless sizes are given
         args.depth = args.depth or 4
         args.blocks = 8 if args.blocks == 24 else args.blocks
@@ -229,35 +326,59 @@ def main() -> None:
     if args.child:
         print(json.dumps(memory_child(args)))
         return
-    memory = {case: _run_memory_child(case, args) for case in CASES}
-    step_times = time_cases(args)
+    memory_runs = memory_cases(args)
+    times, ratios, sizes = time_cases(args)
     rows = {}
     for case in CASES:
-        rows[case] = {
+        runs = memory_runs[case]
+        good = [r for r in runs if "error" not in r]
+        row = {
             "case": case,
             "blocks": args.blocks,
             "width": args.width,
             "batch": args.batch,
             "depth": args.depth,
-            "step_time_ms": round(1000 * step_times[case], 2),
-            **memory[case],
+            "step_time_ms": round(1000 * statistics.median(times[case]), 2),
+            "step_time_ms_runs": [round(1000 * t, 1) for t in times[case]],
+            **sizes[case],
         }
-        print(json.dumps(rows[case]), flush=True)
+        if runs and not good:
+            row["error"] = runs[-1]["error"]
+        elif good:
+            row["device"] = good[0]["device"]
+            row["wrappers"] = good[0]["wrappers"]
+            for key in ("step_peak_mib", "rss_growth_mib"):
+                values = [r[key] for r in good if r[key] is not None]
+                row[key] = statistics.median(values) if values else None
+                row[f"{key}_runs"] = values
+        rows[case] = row
+        print(json.dumps(row), flush=True)
     base = rows["none"]
     for case in CASES[1:]:
         row = rows[case]
         if "error" in row or "error" in base:
             continue
-        key = "step_peak_mib" if base["step_peak_mib"] else "rss_growth_mib"
-        memory_ratio = row[key] / max(base[key], 1e-9)
-        time_ratio = row["step_time_ms"] / max(base["step_time_ms"], 1e-9)
+        key, memory_ratio = None, None
+        if "step_peak_mib" in base:  # --memory-repeats 0: time only
+            key = "step_peak_mib" if base["step_peak_mib"] else "rss_growth_mib"
+            memory_ratio = row[key] / max(base[key], 1e-9)
+        # Paired step by step: load that changes between pairs cancels.
+        time_ratio = statistics.median(ratios[case])
         print(
             json.dumps(
                 {
                     "ratio": f"{case}/none",
                     "memory_measure": key,
-                    "memory": round(memory_ratio, 3),
+                    "memory": None
+                    if memory_ratio is None
+                    else round(memory_ratio, 3),
                     "step_time": round(time_ratio, 3),
+                    "step_time_pairs": [round(r, 3) for r in ratios[case]],
+                    "extra_ops": row["optimized_ops"] - base["optimized_ops"],
+                    "extra_matmuls": row["matmuls"] - base["matmuls"],
+                    "activation_floor": _activation_floor(args)
+                    if case in ("per_block", "in_place", "tf_recompute_grad")
+                    else None,
                     "target_met": _target_met(
                         case, args, memory_ratio, time_ratio
                     ),

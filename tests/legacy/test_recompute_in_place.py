@@ -220,3 +220,13 @@ def test_pruned_block_recomputed_in_place_prunes_like_plain():
     np.testing.assert_allclose(
         stripped.predict(X, verbose=0), plain.predict(X, verbose=0), atol=1e-5
     )
+
+
+@pytest.mark.parametrize("case", ["in_place", "wrapper"])
+def test_train_step_runs_one_extra_forward_per_block(case):
+    # tf_keras's recomputation restores the block's non-trainable state
+    # (none here): the same op budget as Keras 3
+    # (tests/layers/test_recompute_graph_size.py).
+    from layers.graph_size import assert_one_extra_forward
+
+    assert_one_extra_forward(case)

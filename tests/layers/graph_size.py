@@ -1,0 +1,114 @@
+"""Ops of a train step as it runs, plain and recomputed: a deterministic
+stand-in for the step time recompute costs (shared by the Keras 3 and
+tf_keras tests).
+
+Recomputing a block should cost one extra forward of the block: its
+MatMuls once more (a second gradient or a second replay would add more),
+the variable reads that feed them, and a handful of small ops per block
+(the anchor that keeps Grappler from hoisting the recomputation into the
+forward pass). The count is taken after Grappler, on the graph TensorFlow
+runs, so ops Grappler prunes cost nothing and are not counted.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from keras_mgpu._flavour import keras
+from keras_mgpu.layers import apply_recompute
+
+BLOCKS, DEPTH, WIDTH, BATCH = 3, 2, 8, 4
+
+
+def deep_mlp(case: str):
+    """`BLOCKS` blocks of `DEPTH` Dense-ReLU layers and a head, compiled;
+    case "none" (plain), "in_place" (each block's call recomputed),
+    "wrapper" (each block in a `RecomputeGrad`) or "sqrt" (segments)."""
+    keras.utils.set_random_seed(0)
+    blocks = [
+        keras.Sequential(
+            [
+                keras.layers.Dense(WIDTH, activation="relu")
+                for _ in range(DEPTH)
+            ],
+            name=f"block_{i}",
+        )
+        for i in range(BLOCKS)
+    ]
+    model = keras.Sequential(
+        [keras.Input((WIDTH,)), *blocks, keras.layers.Dense(1)]
+    )
+
+    def is_block(layer):
+        return layer.name.startswith("block_")
+
+    if case == "in_place":
+        apply_recompute(model, layers=is_block, in_place=True)
+    elif case == "wrapper":
+        model = apply_recompute(model, layers=is_block, in_place=False)
+    elif case == "sqrt":
+        apply_recompute(model, layers=is_block, policy="sqrt", in_place=True)
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def optimized_train_graph(model) -> list:
+    """The node ops of `model`'s train function after Grappler, from the
+    run metadata of its first (tracing) step. TensorFlow 2.21's
+    `context.enable_run_metadata` (private; no public equivalent)."""
+    from tensorflow.python.eager import context
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, WIDTH)).astype("float32")
+    y = rng.normal(size=(BATCH, 1)).astype("float32")
+    context.enable_run_metadata()
+    try:
+        model.train_on_batch(x, y)
+        metadata = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    main = max(
+        metadata.function_graphs,
+        key=lambda g: len(g.post_optimization_graph.node),
+    )
+    return [node.op for node in main.post_optimization_graph.node]
+
+
+def count_matmuls(ops: list) -> int:
+    # MatMul, _FusedMatMul (MatMul+BiasAdd+ReLU), oneDNN's _MklFusedMatMul.
+    return sum("MatMul" in op for op in ops)
+
+
+# Per recomputed block beyond the block's forward: the anchor (about 8
+# scalar ops and one add), one read per variable that TensorFlow's
+# `tf.custom_gradient` leaves in the graph (stateful, so Grappler keeps
+# it), and a little slack.
+PER_BLOCK_SLACK = 12
+
+
+def forward_ops_per_block() -> int:
+    """One Dense-ReLU runs as a fused MatMul and two variable reads."""
+    return 3 * DEPTH
+
+
+@functools.cache
+def _plain_ops() -> tuple:
+    # The reference is the same for every case of a test process.
+    return tuple(optimized_train_graph(deep_mlp("none")))
+
+
+def assert_one_extra_forward(case: str) -> None:
+    plain = list(_plain_ops())
+    recomputed = optimized_train_graph(deep_mlp(case))
+    extra_matmuls = count_matmuls(recomputed) - count_matmuls(plain)
+    # Exactly the recomputed blocks' MatMuls once more: no second forward,
+    # no gradient taken twice.
+    assert extra_matmuls == BLOCKS * DEPTH, (extra_matmuls, case)
+    extra_ops = len(recomputed) - len(plain)
+    variables_per_block = 2 * DEPTH
+    bound = BLOCKS * (
+        forward_ops_per_block() + variables_per_block + PER_BLOCK_SLACK
+    )
+    assert 0 < extra_ops <= bound, (extra_ops, bound, case)
