@@ -1,0 +1,758 @@
+"""Moving statistics that advance once per optimizer update: BatchNormalization
+when an update is made of several micro-batches.
+
+Gradient accumulation (`GradientAccumulationOptimizer`, K micro-batches per
+update) and pipeline micro-batches (`apply_placement(..., micro_batches=M)`)
+run each BatchNormalization layer K (or M, or K*M) times per update: its
+moving mean and variance advance that many times with the momentum meant for
+one step, on statistics of micro-batches. `use_window_statistics` switches
+the layers, in place, so the moving statistics advance once per window of
+calls, as the large batch would move them (`statistics="window"`), or with
+the momentum corrected for the number of calls (`statistics="momentum"`).
+`restore_batchnorm_statistics` switches them back.
+
+How: each BatchNormalization instance gets its class swapped for a subclass
+(`WindowBatchNormalization`, one per Keras flavour, registered for
+serialization under the package `keras_mgpu`) whose `call` runs the class's
+own `call` and then, with `statistics="window"`, puts the moving statistics
+back and folds the micro-batch's statistics into accumulators (variables of
+the layer). Only public attributes of BatchNormalization are read
+(`moving_mean`, `moving_variance`, `momentum`): the micro-batch's mean and
+biased variance are recovered from the update the layer made, which works
+the same for Keras 3, tf_keras and tf_keras's fused kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+from keras_mgpu._flavour import (
+    FLAVOUR,
+    flavour_of,
+    keras_of,
+    register_serializable,
+    tf,
+)
+from keras_mgpu._validation import check_int
+from keras_mgpu.normalization._find import (
+    batchnorm_layers,
+    choice_of,
+    mark_choice,
+)
+
+STATISTICS = ("window", "momentum")
+
+# Instance attributes of a switched layer (set with object.__setattr__: no
+# flavour tracks them, `get_config` never sees them).
+_WINDOW = "_keras_mgpu_window"
+_STATISTICS = "_keras_mgpu_statistics"
+_USER_MOMENTUM = "_keras_mgpu_user_momentum"
+_STATE = "_keras_mgpu_window_state"
+_ORIGINAL_CLASS = "_keras_mgpu_original_class"
+
+# The accumulators of a window, in creation (and therefore saving) order:
+# micro-batch calls so far, examples seen per channel, their mean, and the
+# sum of squared deviations from it (Chan et al.'s pairwise update).
+_STATE_NAMES = ("window_calls", "window_count", "window_mean", "window_m2")
+
+
+# ---------------------------------------------------------------------------
+# Private Keras hooks, each isolated in one function.
+# ---------------------------------------------------------------------------
+
+
+def _in_symbolic_build() -> bool:
+    """Keras 3.15 runs `call` on placeholders to infer shapes; nothing is
+    trained there (see `_recompute_engine.in_symbolic_build`)."""
+    from keras_mgpu.layers._recompute_engine import in_symbolic_build
+
+    return in_symbolic_build()
+
+
+def _current_training() -> Any:
+    from keras_mgpu.layers._recompute_engine import current_training
+
+    return current_training()
+
+
+@contextlib.contextmanager
+def _unlocked(layer: Any):
+    """Keras 3.15 locks a layer's tracker after `build` (`Layer._tracker`,
+    private); Keras's own `quantize` unlocks it the same way to add state to
+    a built layer. tf_keras has no lock."""
+    tracker = getattr(layer, "_tracker", None)
+    locked = bool(getattr(tracker, "locked", False))
+    if locked:
+        tracker.unlock()
+    try:
+        yield
+    finally:
+        if locked:
+            tracker.lock()
+
+
+def _untrack(layer: Any, variables: list) -> None:
+    """Forget `variables` as state of `layer`, so its weights, checkpoints
+    and `.keras` files are the plain layer's again.
+
+    Keras 3.15: `Layer._untrack_variable` (private). tf_keras 2.21: the
+    `_non_trainable_weights` list and the trackable's named checkpoint
+    dependencies (`tensorflow/python/trackable/base.py`, private).
+    """
+    if hasattr(layer, "_untrack_variable") and hasattr(layer, "_tracker"):
+        for variable in variables:
+            layer._untrack_variable(variable)
+        return
+    ids = {id(v) for v in variables}
+    layer._non_trainable_weights[:] = [
+        w for w in layer._non_trainable_weights if id(w) not in ids
+    ]
+    deps = getattr(layer, "_self_unconditional_checkpoint_dependencies", None)
+    names = getattr(layer, "_self_unconditional_dependency_names", None)
+    if deps is not None and names is not None:
+        deps[:] = [d for d in deps if id(d.ref) not in ids]
+        for name in [n for n, ref in names.items() if id(ref) in ids]:
+            del names[name]
+
+
+def _tf_variable(variable: Any) -> Any:
+    # A Keras 3 variable wraps a tf.Variable (`.value`); tf_keras's is one.
+    inner = getattr(variable, "value", None)
+    return inner if isinstance(inner, tf.Variable) else variable
+
+
+def _strategy_scope_of(variable: Any):
+    """Enter the strategy `variable` was made under (new state must be
+    distributed like the moving statistics), unless already inside it."""
+    strategy = getattr(_tf_variable(variable), "distribute_strategy", None)
+    if not isinstance(strategy, tf.distribute.Strategy):
+        return contextlib.nullcontext()
+    if tf.distribute.has_strategy() and (
+        tf.distribute.get_strategy() is strategy
+    ):
+        return contextlib.nullcontext()
+    return strategy.scope()
+
+
+# ---------------------------------------------------------------------------
+# The switched layer.
+# ---------------------------------------------------------------------------
+
+
+class _WindowStatisticsMixin:
+    """What `WindowBatchNormalization` adds to a flavour's
+    BatchNormalization (see `use_window_statistics`)."""
+
+    def __init__(
+        self, *args, window: int = 1, statistics: str = "window", **kwargs
+    ):
+        _set_mode(self, window, statistics)
+        super().__init__(*args, **kwargs)
+
+    # The momentum Keras's `call` applies per call; the user's stays in
+    # `_keras_mgpu_user_momentum` (what `get_config` and the undo give).
+    @property
+    def momentum(self) -> float:
+        momentum = self.__dict__.get(_USER_MOMENTUM)
+        if momentum is None:
+            return momentum
+        if self.__dict__.get(_STATISTICS) == "momentum":
+            return float(momentum) ** (1.0 / self.__dict__[_WINDOW])
+        return momentum
+
+    @momentum.setter
+    def momentum(self, value: float) -> None:
+        object.__setattr__(self, _USER_MOMENTUM, value)
+
+    @property
+    def window(self) -> int:
+        """Training calls per optimizer update."""
+        return self.__dict__[_WINDOW]
+
+    @property
+    def statistics(self) -> str:
+        """ "window" or "momentum" (see `use_window_statistics`)."""
+        return self.__dict__[_STATISTICS]
+
+    def build(self, *args, **kwargs):
+        # tf_keras calls the class's `build`; Keras 3 calls the `build` the
+        # instance was made with, then `_post_build` (below).
+        super().build(*args, **kwargs)
+        _ensure_state(self)
+
+    def _post_build(self):
+        super()._post_build()
+        _ensure_state(self)
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        config["momentum"] = self.__dict__.get(_USER_MOMENTUM)
+        config["window"] = self.__dict__[_WINDOW]
+        config["statistics"] = self.__dict__[_STATISTICS]
+        return config
+
+    @tf.autograph.experimental.do_not_convert
+    def call(self, inputs, training=None, mask=None):
+        state = self.__dict__.get(_STATE)
+        active = _training_value(self, training)
+        if (
+            state is None
+            or active is False
+            or self.momentum >= 1.0
+            or _in_symbolic_build()
+        ):
+            return super().call(inputs, training=training, mask=mask)
+        # Read before Keras's update: automatic control dependencies keep
+        # program order between these reads and its assignments.
+        old_mean = tf.identity(tf.convert_to_tensor(self.moving_mean))
+        old_var = tf.identity(tf.convert_to_tensor(self.moving_variance))
+        outputs = super().call(inputs, training=training, mask=mask)
+        _advance_window(self, state, inputs, mask, old_mean, old_var, active)
+        return outputs
+
+
+def _set_mode(layer: Any, window: int, statistics: str) -> None:
+    object.__setattr__(layer, _WINDOW, window)
+    object.__setattr__(layer, _STATISTICS, statistics)
+
+
+def _training_value(layer: Any, training: Any) -> Any:
+    """True, False, or a boolean tensor: whether this call updates the
+    moving statistics (both flavours: `training` and `layer.trainable`)."""
+    if not layer.trainable:
+        return False
+    if training is None:
+        training = _current_training()
+    if training is None:
+        return False
+    if not tf.is_tensor(training):
+        return bool(training)
+    static = tf.get_static_value(training)
+    if static is not None:
+        return bool(static)
+    return tf.cast(training, tf.bool)
+
+
+def _count(layer: Any, inputs: Any, mask: Any, channels: Any) -> Any:
+    """Examples per channel the layer's statistics were taken over."""
+    size = tf.cast(tf.size(inputs), tf.float32)
+    # tf_keras's fused kernel ignores the mask (and says so).
+    if mask is None or getattr(layer, "fused", False):
+        return size / channels
+    weights = tf.cast(mask, tf.float32)
+    # Both flavours broadcast the mask over the channel axis.
+    return (
+        tf.reduce_sum(weights)
+        * size
+        / (tf.cast(tf.size(weights), tf.float32) * channels)
+    )
+
+
+def _bessel(n: Any, inverse: bool = False) -> Any:
+    """n / (n - 1) (or its inverse); 1 where n <= 1."""
+    safe = tf.maximum(n, tf.constant(2.0, n.dtype))
+    factor = (safe - 1.0) / safe if inverse else safe / (safe - 1.0)
+    return tf.where(n > 1.0, factor, tf.ones_like(factor))
+
+
+def _advance_window(layer, state, inputs, mask, old_mean, old_var, active):
+    """Fold this call's statistics into the window; at its last call, move
+    the moving statistics once, with the window's statistics; otherwise put
+    them back as they were."""
+    calls_v, count_v, mean_v, m2_v = state
+    dtype = old_mean.dtype
+    momentum = float(layer.momentum)
+    new_mean = tf.convert_to_tensor(layer.moving_mean)
+    new_var = tf.convert_to_tensor(layer.moving_variance)
+    # Keras moved each statistic by (1 - momentum) towards the
+    # micro-batch's; undo that to read the micro-batch's mean and biased
+    # variance. The rounding this amplifies by 1 / (1 - momentum) is scaled
+    # back by (1 - momentum) in the window's update.
+    decay = 1.0 - momentum
+    batch_mean = (new_mean - momentum * old_mean) / decay
+    batch_var = (new_var - momentum * old_var) / decay
+    channels = tf.cast(tf.size(old_mean), tf.float32)
+    n = tf.cast(_count(layer, inputs, mask, channels), dtype)
+
+    # tf_keras's fused kernel (4-D and 5-D inputs) moves the variance
+    # towards the micro-batch's unbiased variance: work in biased variances
+    # and give the window's the same correction, as its large batch would.
+    bessel = bool(getattr(layer, "fused", False))
+    if bessel:
+        batch_var = batch_var * _bessel(n, inverse=True)
+
+    calls = tf.convert_to_tensor(calls_v)
+    count = tf.convert_to_tensor(count_v)
+    mean = tf.convert_to_tensor(mean_v)
+    m2 = tf.convert_to_tensor(m2_v)
+    # Pairwise merge of (count, mean, M2): exact for any micro-batch sizes
+    # and free of the cancellation of E[x^2] - E[x]^2.
+    total = count + n
+    safe_total = tf.maximum(total, tf.ones_like(total))
+    delta = batch_mean - mean
+    merged_mean = mean + delta * (n / safe_total)
+    merged_m2 = m2 + batch_var * n + tf.square(delta) * (count * n / safe_total)
+    calls = calls + 1.0
+    last = calls >= float(layer.__dict__[_WINDOW])
+    moves = tf.logical_and(last, total > 0)
+    window_var = merged_m2 / safe_total
+    if bessel:
+        window_var = window_var * _bessel(total)
+    moved_mean = old_mean * momentum + merged_mean * decay
+    moved_var = old_var * momentum + window_var * decay
+
+    def pick(condition, a, b):
+        return tf.where(condition, a, b)
+
+    updates = [
+        (layer.moving_mean, pick(moves, moved_mean, old_mean), new_mean),
+        (layer.moving_variance, pick(moves, moved_var, old_var), new_var),
+        (calls_v, pick(last, tf.zeros_like(calls), calls), calls_v),
+        (count_v, pick(last, tf.zeros_like(total), total), count_v),
+        (mean_v, pick(last, tf.zeros_like(mean), merged_mean), mean_v),
+        (m2_v, pick(last, tf.zeros_like(m2), merged_m2), m2_v),
+    ]
+    for variable, value, unchanged in updates:
+        if active is not True:
+            # `training` is a tensor: leave everything as the class's
+            # `call` left it when it is False.
+            value = tf.where(active, value, tf.convert_to_tensor(unchanged))
+        variable.assign(value)
+
+
+def _ensure_state(layer: Any) -> None:
+    """Create the window's accumulators once the layer is built."""
+    if layer.__dict__.get(_STATISTICS) != "window":
+        return
+    if layer.__dict__.get(_STATE) is not None:
+        return
+    moving_mean = getattr(layer, "moving_mean", None)
+    if moving_mean is None:
+        return  # Not built yet: `build` comes back here.
+    flavour = flavour_of(layer)
+    dtype = tf.as_dtype(moving_mean.dtype)
+    shapes = ((), (), tuple(moving_mean.shape), tuple(moving_mean.shape))
+    state = []
+    # tf_keras names variables after the name scope at creation (its build
+    # runs under the layer's); Keras 3 gives them the layer's path itself.
+    scope = (
+        tf.name_scope(layer.name + "/")
+        if flavour == "tf_keras"
+        else contextlib.nullcontext()
+    )
+    with _strategy_scope_of(moving_mean), _unlocked(layer), scope:
+        for name, shape in zip(_STATE_NAMES, shapes, strict=True):
+            if flavour == "tf_keras":
+                # Distributed like tf_keras's moving statistics.
+                variable = layer.add_weight(
+                    name=name,
+                    shape=shape,
+                    dtype=dtype,
+                    initializer="zeros",
+                    trainable=False,
+                    synchronization=tf.VariableSynchronization.ON_READ,
+                    aggregation=tf.VariableAggregation.MEAN,
+                    experimental_autocast=False,
+                )
+            else:
+                # Distributed like Keras 3's moving statistics (aggregation
+                # "none": under MirroredStrategy each replica updates its own
+                # copy in replica context, as BatchNormalization does).
+                variable = layer.add_weight(
+                    name=name,
+                    shape=shape,
+                    dtype=dtype.name,
+                    initializer="zeros",
+                    trainable=False,
+                    autocast=False,
+                )
+            state.append(variable)
+    object.__setattr__(layer, _STATE, tuple(state))
+
+
+def window_state(layer: Any) -> tuple:
+    """The accumulators of a layer switched with `statistics="window"`
+    (calls, count, mean, M2), or () for any other layer."""
+    return tuple(layer.__dict__.get(_STATE) or ())
+
+
+# ---------------------------------------------------------------------------
+# One subclass per (flavour, BatchNormalization class).
+# ---------------------------------------------------------------------------
+
+
+def _plain_batchnorm(flavour: str) -> type:
+    return keras_of(flavour).layers.BatchNormalization
+
+
+@functools.cache
+def _window_class(base: type) -> type:
+    """The switched class for `base`. For a flavour's own
+    BatchNormalization it is `WindowBatchNormalization`, registered for
+    serialization under `keras_mgpu`; for a user's subclass it is a
+    subclass of that, unregistered (restore before saving such a model in
+    the `.keras` format)."""
+    flavour = _flavour_of_class(base)
+    plain = base is _plain_batchnorm(flavour)
+    name = "WindowBatchNormalization" if plain else f"Window{base.__name__}"
+    cls = type(
+        name,
+        (_WindowStatisticsMixin, base),
+        {
+            "__module__": __name__,
+            "__doc__": (
+                f"{base.__name__} whose moving statistics advance once per "
+                "window of training calls (see "
+                "`keras_mgpu.normalization.use_window_statistics`)."
+            ),
+        },
+    )
+    if plain:
+        register_serializable(cls, flavour)
+    return cls
+
+
+def _flavour_of_class(base: type) -> str:
+    for klass in base.__mro__:
+        module = klass.__module__ or ""
+        if module.startswith("tf_keras"):
+            return "tf_keras"
+    return "keras3"
+
+
+def window_batch_normalization_class(flavour: str | None = None) -> type:
+    """`WindowBatchNormalization` of `flavour` (the process's when None)."""
+    return _window_class(_plain_batchnorm(flavour or FLAVOUR))
+
+
+# ---------------------------------------------------------------------------
+# The whole-model switch and its undo.
+# ---------------------------------------------------------------------------
+
+
+def _check_model(model: Any, argument: str = "model") -> None:
+    found = None
+    for klass in type(model).__mro__:
+        module = klass.__module__ or ""
+        if module.startswith("tf_keras"):
+            found = "tf_keras"
+            break
+        if module == "keras" or module.startswith("keras."):
+            found = "keras3"
+            break
+    if found is None or not isinstance(model, keras_of(found).layers.Layer):
+        raise TypeError(
+            f"Argument `{argument}` must be a Keras model or layer (Keras 3 "
+            f"or tf_keras). Received: {argument}={model!r} (of type "
+            f"{type(model).__name__})"
+        )
+
+
+def _window_of(window: Any, optimizer: Any) -> int:
+    if optimizer is None:
+        if window is None:
+            raise ValueError(
+                "Pass `window` (training calls of each BatchNormalization "
+                "layer per optimizer update: K accumulation steps, M "
+                "pipeline micro-batches, K*M for both) or `optimizer` (a "
+                "GradientAccumulationOptimizer). Received: window=None, "
+                "optimizer=None"
+            )
+        return check_int(window, "window", minimum=1)
+    steps = getattr(optimizer, "accumulation_steps", None)
+    if not isinstance(steps, int) or isinstance(steps, bool):
+        raise TypeError(
+            "Argument `optimizer` must be a keras_mgpu "
+            "GradientAccumulationOptimizer (its `accumulation_steps` is the "
+            f"window). Received: optimizer={optimizer!r}"
+        )
+    if window is not None:
+        raise ValueError(
+            "Pass either `window` or `optimizer`, not both (the window of a "
+            "pipelined, accumulated model is K*M: pass window=K*M). "
+            f"Received: window={window!r}, optimizer={optimizer!r}"
+        )
+    return steps
+
+
+def _check_layer(layer: Any) -> None:
+    if getattr(layer, "renorm", False):
+        raise ValueError(
+            f"BatchNormalization layer {layer.name!r} uses `renorm=True`, "
+            "whose renormalisation statistics advance per call too; window "
+            "statistics do not cover it. Received: renorm=True"
+        )
+    if getattr(layer, "virtual_batch_size", None) is not None:
+        raise ValueError(
+            f"BatchNormalization layer {layer.name!r} uses "
+            "`virtual_batch_size` (ghost batches), which already splits the "
+            "batch; window statistics do not cover it. Received: "
+            f"virtual_batch_size={layer.virtual_batch_size!r}"
+        )
+
+
+def _recompute_switch(layer: Any):
+    """The in-place recompute switch of `layer` (keras_mgpu.layers), which
+    captured the class's `call` when it was made: undone before a class
+    swap and made again after it, so it runs the swapped class's `call`."""
+    from keras_mgpu.layers.recompute_in_place import (
+        is_switched_per_layer,
+        recompute_layer_in_place,
+        restore_layer,
+    )
+
+    switched = is_switched_per_layer(layer)
+    if switched:
+        restore_layer(layer)
+
+    def again() -> None:
+        if switched:
+            recompute_layer_in_place(layer)
+
+    return again
+
+
+def _switch(layer: Any, window: int, statistics: str) -> None:
+    if isinstance(layer, _WindowStatisticsMixin):
+        _restore(layer)
+    _check_layer(layer)
+    again = _recompute_switch(layer)
+    original = type(layer)
+    user_momentum = layer.__dict__.pop("momentum", None)
+    if user_momentum is None:  # pragma: no cover - Keras sets it in __init__
+        user_momentum = layer.momentum
+    layer.__class__ = _window_class(original)
+    object.__setattr__(layer, _ORIGINAL_CLASS, original)
+    object.__setattr__(layer, _USER_MOMENTUM, user_momentum)
+    _set_mode(layer, window, statistics)
+    _ensure_state(layer)
+    mark_choice(layer, statistics)
+    again()
+
+
+def _restore(layer: Any) -> None:
+    again = _recompute_switch(layer)
+    state = list(layer.__dict__.pop(_STATE, None) or ())
+    if state:
+        _untrack(layer, state)
+    original = layer.__dict__.pop(_ORIGINAL_CLASS, None)
+    if original is None:
+        # Made as a WindowBatchNormalization (a loaded `.keras` file).
+        original = type(layer).__mro__[2]
+    user_momentum = layer.__dict__.pop(_USER_MOMENTUM, None)
+    layer.__class__ = original
+    object.__setattr__(layer, "momentum", user_momentum)
+    for name in (_WINDOW, _STATISTICS):
+        layer.__dict__.pop(name, None)
+    if choice_of(layer) in STATISTICS:
+        mark_choice(layer, None)
+    again()
+
+
+def _reset_compiled_functions(model: Any) -> None:
+    # Keras caches the traced train/test/predict functions on the model:
+    # the next `fit` must trace the switched calls.
+    from keras_mgpu.layers.recompute_in_place import reset_compiled_functions
+
+    reset_compiled_functions(model)
+
+
+def use_window_statistics(
+    model: Any,
+    *,
+    window: int | None = None,
+    statistics: str = "window",
+    optimizer: Any = None,
+) -> Any:
+    """Make the BatchNormalization layers of `model` move their statistics
+    once per optimizer update, as the large batch would.
+
+    With gradient accumulation (`GradientAccumulationOptimizer`, K
+    micro-batches per update) or pipeline micro-batches
+    (`apply_placement(..., micro_batches=M)`), each BatchNormalization layer
+    is trained on `window` micro-batches per optimizer update (K, M, or K*M
+    for both). Unchanged, its moving mean and variance advance `window`
+    times per update with the momentum meant for one step, each time
+    towards one micro-batch's statistics. This function switches every
+    BatchNormalization layer of `model` (nested models and layers included)
+    in place and returns the same model:
+
+    - `statistics="window"` (default): each layer accumulates the
+      micro-batches' statistics over `window` training calls (pairwise
+      count-weighted merge, so the window's mean and biased variance are
+      those of the large batch exactly, for any micro-batch sizes), and at
+      the window's last call moves `moving_mean` and `moving_variance` once,
+      with the layer's own momentum. The moving statistics then equal the
+      large batch's whenever the micro-batches see what the large batch
+      would (no normalisation before the layer differs per micro-batch); in
+      a deeper network the layers above the first BatchNormalization see
+      inputs normalised per micro-batch, which no bookkeeping of
+      statistics can undo. The accumulators are 4 non-trainable variables
+      per layer (`window_calls`, `window_count`, `window_mean`,
+      `window_m2`), so weights checkpoints, `BackupAndRestore` and `.keras`
+      files resume mid-window exactly.
+    - `statistics="momentum"`: no extra state; the moving statistics move
+      every call with momentum `momentum ** (1 / window)`, so `window`
+      calls decay the past as one step would. Exact when every micro-batch
+      of a window has the same statistics; otherwise it misses the variance
+      between micro-batches (the window's variance is the mean of the
+      micro-batches' variances plus the variance of their means).
+
+    Normalisation in training stays per micro-batch (each micro-batch is
+    normalised with its own statistics, as any BatchNormalization run on it
+    does); inference is unchanged. `window` counts training calls of each
+    layer: start it at the start of an accumulation window (a new model,
+    or after an update), or windows straddle updates. A layer called twice
+    per step (shared) is called `2 * window` times per update.
+
+    Layers marked frozen (`choice_of(layer) == "frozen"`, see
+    `keras_mgpu.normalization`) are left as they are; every other switched
+    layer is marked with the `statistics` chosen.
+
+    Each layer's class is swapped for `WindowBatchNormalization` (a
+    registered subclass, one per Keras flavour), so `get_config` carries
+    `window` and `statistics` and a `.keras` file loads back switched
+    (with `keras_mgpu` imported); `layer.momentum` reads the momentum
+    applied per call, `get_config()["momentum"]` the user's. Call
+    `restore_batchnorm_statistics` to undo, e.g. before saving a model for
+    loading without keras_mgpu. Subclasses of BatchNormalization are
+    switched to an unregistered subclass of their own (restore them before
+    saving in the `.keras` format). A compiled model's cached train, test
+    and predict functions are dropped, so the next `fit` uses the switch.
+    Composes with `apply_recompute(..., in_place=True)` in either order
+    (the recomputation's replay leaves the moving statistics and
+    accumulators as the forward left them).
+
+    Under `tf.distribute`: every replica normalises its own share of each
+    micro-batch and keeps its own moving statistics, as BatchNormalization
+    does (Keras 3: variables with aggregation "none", updated per replica;
+    tf_keras: on-read, averaged when read across replicas); the
+    accumulators are created in the strategy of the moving statistics and
+    are kept per replica in the same way. With `synchronized=True` the
+    micro-batch statistics are global and every replica's window matches.
+
+    Args:
+        model: A Keras model or layer (Keras 3 or tf_keras), or a
+            BatchNormalization layer itself.
+        window: int >= 1. Training calls of each BatchNormalization layer
+            per optimizer update. Pass this or `optimizer`.
+        statistics: `"window"` (default, exact) or `"momentum"` (no extra
+            state, approximate).
+        optimizer: A `GradientAccumulationOptimizer`: `window` is its
+            `accumulation_steps`.
+
+    Returns:
+        `model`, switched in place.
+
+    Raises:
+        TypeError: `model` is not a Keras model or layer, `window` not an
+            integer, `optimizer` not an accumulation optimizer.
+        ValueError: `window < 1`, an unknown `statistics`, both or neither of
+            `window` and `optimizer`, no BatchNormalization layer in `model`,
+            or a layer with `renorm=True` or `virtual_batch_size`.
+
+    Example:
+
+    ```python
+    import keras
+    from keras_mgpu.normalization import use_window_statistics
+    from keras_mgpu.optimizers import GradientAccumulationOptimizer
+
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dense(1),
+    ])
+    optimizer = GradientAccumulationOptimizer(
+        keras.optimizers.SGD(0.1), accumulation_steps=4
+    )
+    use_window_statistics(model, optimizer=optimizer)
+    model.compile(optimizer=optimizer, loss="mse")
+    x = keras.random.normal((64, 8))
+    model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
+    ```
+    """
+    _check_model(model)
+    window = _window_of(window, optimizer)
+    if statistics not in STATISTICS:
+        raise ValueError(
+            f"Argument `statistics` must be one of {STATISTICS}. Received: "
+            f"statistics={statistics!r}"
+        )
+    layers = batchnorm_layers(model)
+    if not layers:
+        raise ValueError(
+            f"Model {getattr(model, 'name', model)!r} has no "
+            "BatchNormalization layer (searched its layers, nested models "
+            "and layers included), so there are no statistics to window. "
+            f"Received: model of type {type(model).__name__}"
+        )
+    # A layer frozen by choice (`freeze_batchnorm`) moves no statistics;
+    # switching it would only overwrite that choice.
+    layers = [layer for layer in layers if choice_of(layer) != "frozen"]
+    for layer in layers:
+        _check_layer(layer)
+    for layer in layers:
+        _switch(layer, window, statistics)
+    _reset_compiled_functions(model)
+    return model
+
+
+def restore_batchnorm_statistics(model: Any) -> Any:
+    """Undo `use_window_statistics`: switch every BatchNormalization layer of
+    `model` back to its own class, momentum and weights.
+
+    The moving statistics keep their values; accumulators of a window in
+    progress are dropped (its micro-batches never reach the moving
+    statistics). A layer loaded as `WindowBatchNormalization` from a
+    `.keras` file becomes a plain `BatchNormalization`. Layers not switched
+    are left alone, so this is safe to call on any model. Cached train,
+    test and predict functions are dropped.
+
+    Under `tf.distribute`: nothing distributed happens; call it outside the
+    training step, as `use_window_statistics`.
+
+    Args:
+        model: A Keras model or layer (Keras 3 or tf_keras).
+
+    Returns:
+        `model`, restored in place.
+
+    Example:
+
+    ```python
+    import keras
+    from keras_mgpu.normalization import (
+        restore_batchnorm_statistics,
+        use_window_statistics,
+    )
+
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.BatchNormalization()]
+    )
+    use_window_statistics(model, window=4)
+    restore_batchnorm_statistics(model)
+    assert type(model.layers[0]) is keras.layers.BatchNormalization
+    ```
+    """
+    _check_model(model)
+    for layer in batchnorm_layers(model):
+        if isinstance(layer, _WindowStatisticsMixin):
+            _restore(layer)
+    _reset_compiled_functions(model)
+    return model
+
+
+# The process's flavour is registered at import, so `.keras` files with
+# switched layers load once keras_mgpu.normalization is imported.
+window_batch_normalization_class()
+
+__all__ = [
+    "STATISTICS",
+    "restore_batchnorm_statistics",
+    "use_window_statistics",
+    "window_batch_normalization_class",
+    "window_state",
+]

@@ -1,0 +1,392 @@
+"""use_window_statistics: BatchNormalization moving statistics that advance
+once per optimizer update, compared with the large batch.
+
+Reference: the same model trained on the large batch (K micro-batches in one
+step) with the plain optimizer. Where the micro-batches see what the large
+batch would (K copies of one micro-batch, or BatchNormalization first), the
+window's moving statistics must equal the large batch's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from keras_mgpu import _flavour
+from keras_mgpu.normalization import (
+    batchnorm_layers,
+    restore_batchnorm_statistics,
+    use_window_statistics,
+)
+from keras_mgpu.normalization._find import choice_of, mark_choice
+from keras_mgpu.normalization.window_statistics import (
+    window_batch_normalization_class,
+    window_state,
+)
+from keras_mgpu.optimizers import GradientAccumulationOptimizer
+
+if _flavour.IS_TF_KERAS:  # tests/legacy/normalization covers tf_keras
+    pytest.skip("Keras 3 tests", allow_module_level=True)
+
+keras = _flavour.keras
+tf = _flavour.tf
+
+K = 4
+MICRO = 8
+RNG = np.random.default_rng(0)
+# Far from the initial moving statistics (0 and 1), so drift shows.
+X_MICRO = (RNG.normal(size=(MICRO, 6)) * 2.0 + 1.0).astype("float32")
+Y_MICRO = RNG.normal(size=(MICRO, 1)).astype("float32")
+
+
+def deep_model() -> keras.Model:
+    """Dense -> BN -> Dense -> BN -> Dense, same weights for a seed."""
+    keras.utils.set_random_seed(7)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            # No bias before BatchNormalization: its gradient is rounding
+            # noise, which Adam would blow up to steps of the learning rate.
+            keras.layers.Dense(5, use_bias=False),
+            keras.layers.BatchNormalization(momentum=0.9),
+            keras.layers.Dense(4, activation="relu", use_bias=False),
+            keras.layers.BatchNormalization(momentum=0.8),
+            keras.layers.Dense(1),
+        ]
+    )
+
+
+def first_bn_model() -> keras.Model:
+    """BatchNormalization directly after the input (functional)."""
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.BatchNormalization(momentum=0.9)(inputs)
+    return keras.Model(inputs, keras.layers.Dense(1)(hidden))
+
+
+def moving(model) -> list:
+    return [
+        np.array(v)
+        for layer in batchnorm_layers(model)
+        for v in (layer.moving_mean, layer.moving_variance)
+    ]
+
+
+def max_diff(a: list, b: list) -> float:
+    return max(float(np.abs(u - v).max()) for u, v in zip(a, b, strict=True))
+
+
+def trainable(model) -> list:
+    return [np.array(v) for v in model.trainable_variables]
+
+
+def make_optimizer(name: str, accumulate: int | None):
+    inner = (
+        keras.optimizers.SGD(0.1)
+        if name == "sgd"
+        else keras.optimizers.Adam(0.01)
+    )
+    if accumulate is None:
+        return inner
+    return GradientAccumulationOptimizer(inner, accumulation_steps=accumulate)
+
+
+def fit_large(build, x, y, optimizer: str = "sgd", batch: int = MICRO * K):
+    model = build()
+    model.compile(make_optimizer(optimizer, None), "mse")
+    model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+    return model
+
+
+def fit_micro(build, x, y, statistics, optimizer="sgd", batch=MICRO):
+    model = build()
+    if statistics is not None:
+        use_window_statistics(model, window=K, statistics=statistics)
+    model.compile(make_optimizer(optimizer, K), "mse")
+    model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+    return model
+
+
+UPDATES = 3
+X_COPIES = np.concatenate([X_MICRO] * (K * UPDATES))
+Y_COPIES = np.concatenate([Y_MICRO] * (K * UPDATES))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_equals_the_large_batch_when_micro_batches_match_it(optimizer):
+    # Each micro-batch is the same block, so it has the large batch's
+    # statistics and normalisation noise vanishes: weights and moving
+    # statistics of the accumulated run must be the large batch's.
+    large = fit_large(deep_model, X_COPIES, Y_COPIES, optimizer)
+    runs = {
+        statistics: fit_micro(
+            deep_model, X_COPIES, Y_COPIES, statistics, optimizer
+        )
+        for statistics in (None, "window", "momentum")
+    }
+    for statistics in ("window", "momentum"):
+        model = runs[statistics]
+        assert max_diff(trainable(model), trainable(large)) < 1e-5
+        assert max_diff(moving(model), moving(large)) < 1e-5, statistics
+    # Without a remedy the statistics move K times per update.
+    assert max_diff(trainable(runs[None]), trainable(large)) < 1e-5
+    assert max_diff(moving(runs[None]), moving(large)) > 0.1
+
+
+def test_window_is_exact_on_random_data_with_uneven_micro_batches():
+    # BatchNormalization first: every micro-batch reaches it as the large
+    # batch would. 30 examples in micro-batches of 8, 8, 8, 6: one update.
+    x = (RNG.normal(size=(30, 6)) * 3.0 + 2.0).astype("float32")
+    y = RNG.normal(size=(30, 1)).astype("float32")
+    large = moving(fit_large(first_bn_model, x, y, batch=30))
+    errors = {
+        statistics: max_diff(
+            moving(fit_micro(first_bn_model, x, y, statistics)), large
+        )
+        for statistics in (None, "window", "momentum")
+    }
+    assert errors["window"] < 1e-5
+    # The momentum correction misses the variance between micro-batches.
+    assert errors["momentum"] > 1e-3
+    assert errors["momentum"] < errors[None]
+
+
+def test_pipeline_micro_batches_with_window_equal_the_large_batch():
+    from keras_mgpu.placement import apply_placement
+
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    x = (RNG.normal(size=(32, 6)) * 3.0 + 2.0).astype("float32")
+    y = RNG.normal(size=(32, 1)).astype("float32")
+
+    def placed_model():
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.BatchNormalization(momentum=0.9)(inputs)
+        hidden = keras.layers.Dense(5)(hidden)
+        model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+        return apply_placement(model, devices, micro_batches=4)
+
+    large = moving(fit_large(first_bn_model, x, y, batch=32))
+    plain = placed_model()
+    windowed = use_window_statistics(placed_model(), window=4)
+    for model in (plain, windowed):
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    assert max_diff(moving(windowed), large) < 1e-5
+    assert max_diff(moving(plain), large) > 1e-2
+
+
+def test_mirrored_two_replicas(mirrored_strategy):
+    # Every micro-batch is one block of 4 rows twice: each replica's share
+    # is that block, whose statistics are the large batch's, so each
+    # replica's moving statistics must be the large batch's.
+    block = X_MICRO[:4]
+    x = np.concatenate([block] * (2 * K * 2))
+    y = np.concatenate([Y_MICRO[:4]] * (2 * K * 2))
+    large = moving(fit_large(first_bn_model, x, y, batch=8 * K))
+    strategy = mirrored_strategy(2)
+    with strategy.scope():
+        model = first_bn_model()
+        use_window_statistics(model, window=K)
+        model.compile(make_optimizer("sgd", K), "mse")
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    layer = batchnorm_layers(model)[0]
+    for variable in (layer.moving_mean, layer.moving_variance):
+        values = [np.array(v) for v in variable.value.values]
+        assert len(values) == 2
+        for value in values:
+            assert np.all(np.isfinite(value))
+    assert max_diff(moving(model), large) < 1e-5
+    assert np.array(window_state(layer)[0]) == 0  # two full windows
+
+
+def test_keras_file_round_trip_resumes_mid_window(tmp_path):
+    x = np.concatenate([X_MICRO[::-1], X_MICRO] * K)
+    y = np.concatenate([Y_MICRO[::-1], Y_MICRO] * K)
+    uninterrupted = fit_micro(deep_model, x, y, "window")
+
+    model = deep_model()
+    use_window_statistics(model, window=K)
+    model.compile(make_optimizer("sgd", K), "mse")
+    model.fit(x[:24], y[:24], batch_size=MICRO, shuffle=False, verbose=0)
+    layer = batchnorm_layers(model)[0]
+    assert np.array(window_state(layer)[0]) == 3  # mid-window
+    path = os.path.join(tmp_path, "window.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    loaded_layer = batchnorm_layers(loaded)[0]
+    assert type(loaded_layer) is window_batch_normalization_class()
+    config = loaded_layer.get_config()
+    assert (config["window"], config["statistics"]) == (K, "window")
+    assert config["momentum"] == 0.9
+    for a, b in zip(model.weights, loaded.weights, strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    loaded.fit(x[24:], y[24:], batch_size=MICRO, shuffle=False, verbose=0)
+    for a, b in zip(loaded.weights, uninterrupted.weights, strict=True):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
+
+
+def test_weights_checkpoint_resumes_mid_window(tmp_path):
+    # Plain SGD at learning rate 0: only the statistics move, so the
+    # checkpoint of the model alone carries everything that matters.
+    x = (RNG.normal(size=(48, 6)) * 3.0 + 2.0).astype("float32")
+    y = RNG.normal(size=(48, 1)).astype("float32")
+
+    def build():
+        model = use_window_statistics(first_bn_model(), window=K)
+        model.compile(keras.optimizers.SGD(0.0), "mse")
+        return model
+
+    uninterrupted = build()
+    uninterrupted.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    first = build()
+    first.fit(x[:16], y[:16], batch_size=MICRO, shuffle=False, verbose=0)
+    path = os.path.join(tmp_path, "mid.weights.h5")
+    first.save_weights(path)
+    resumed = build()
+    resumed.load_weights(path)
+    resumed.fit(x[16:], y[16:], batch_size=MICRO, shuffle=False, verbose=0)
+    assert max_diff(moving(resumed), moving(uninterrupted)) < 1e-6
+
+
+def test_restore_gives_back_the_plain_layer():
+    model = deep_model()
+    configs = [layer.get_config() for layer in batchnorm_layers(model)]
+    use_window_statistics(model, window=K)
+    assert [choice_of(layer) for layer in batchnorm_layers(model)] == [
+        "window",
+        "window",
+    ]
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(X_COPIES[:16], Y_COPIES[:16], batch_size=MICRO, verbose=0)
+    restore_batchnorm_statistics(model)
+    layers = batchnorm_layers(model)
+    assert all(type(x) is keras.layers.BatchNormalization for x in layers)
+    assert [x.get_config() for x in layers] == configs
+    assert [choice_of(x) for x in layers] == [None, None]
+    assert len(model.weights) == 12
+    # Plain behaviour again: statistics move on every call, as a fresh
+    # plain model from the same state moves them.
+    plain = deep_model()
+    plain.set_weights(model.get_weights())
+    for candidate in (model, plain):
+        candidate.compile(keras.optimizers.SGD(0.1), "mse")
+        candidate.fit(X_MICRO, Y_MICRO, batch_size=MICRO, verbose=0)
+    np.testing.assert_array_equal(
+        np.concatenate([m.ravel() for m in moving(model)]),
+        np.concatenate([m.ravel() for m in moving(plain)]),
+    )
+
+
+def test_layers_frozen_by_choice_are_left_alone():
+    model = deep_model()
+    first, second = batchnorm_layers(model)
+    mark_choice(second, "frozen")
+    use_window_statistics(model, window=K, statistics="momentum")
+    assert [choice_of(first), choice_of(second)] == ["momentum", "frozen"]
+    assert type(second) is keras.layers.BatchNormalization
+    assert first.momentum == pytest.approx(0.9 ** (1 / K))
+    assert first.get_config()["momentum"] == 0.9
+    restore_batchnorm_statistics(model)
+    assert [choice_of(first), choice_of(second)] == [None, "frozen"]
+    assert first.momentum == 0.9
+
+
+def test_switch_after_compile_and_fit_is_picked_up():
+    model = first_bn_model()
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(X_MICRO, Y_MICRO, batch_size=MICRO, verbose=0)
+    before = moving(model)
+    use_window_statistics(model, window=K)
+    # K - 1 micro-batches: the window is not complete, nothing moves.
+    model.fit(X_COPIES[:24], Y_COPIES[:24], batch_size=MICRO, verbose=0)
+    assert max_diff(moving(model), before) == 0.0
+    model.fit(X_COPIES[:8], Y_COPIES[:8], batch_size=MICRO, verbose=0)
+    assert max_diff(moving(model), before) > 1e-2
+
+
+@pytest.mark.parametrize("order", ["recompute_first", "window_first"])
+def test_composes_with_recompute_in_place(order):
+    from keras_mgpu.layers import apply_recompute
+
+    alone = fit_micro(deep_model, X_COPIES, Y_COPIES, "window")
+
+    model = deep_model()
+    if order == "recompute_first":
+        apply_recompute(model, in_place=True)
+    use_window_statistics(model, window=K)
+    if order == "window_first":
+        apply_recompute(model, in_place=True)
+    model.compile(make_optimizer("sgd", K), "mse")
+    model.fit(X_COPIES, Y_COPIES, batch_size=MICRO, shuffle=False, verbose=0)
+    assert max_diff(moving(model), moving(alone)) < 1e-6
+    assert max_diff(trainable(model), trainable(alone)) < 1e-6
+    state = [np.array(v) for v in window_state(batchnorm_layers(model)[0])]
+    expected = [np.array(v) for v in window_state(batchnorm_layers(alone)[0])]
+    assert max_diff(state, expected) < 1e-6
+
+
+@pytest.mark.slow
+def test_applications_model():
+    model = keras.applications.MobileNetV2(
+        input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=3
+    )
+    count = len(batchnorm_layers(model))
+    optimizer = make_optimizer("sgd", 2)
+    use_window_statistics(model, optimizer=optimizer)
+    layers = batchnorm_layers(model)
+    assert count == len(layers) > 30
+    assert all(choice_of(layer) == "window" for layer in layers)
+    model.compile(optimizer, "sparse_categorical_crossentropy")
+    x = RNG.normal(size=(8, 32, 32, 3)).astype("float32")
+    y = RNG.integers(0, 3, size=(8,))
+    model.fit(x, y, batch_size=4, verbose=0)
+    assert np.all(np.isfinite(np.array(model(x[:2], training=False))))
+    assert all(np.array(window_state(x)[0]) == 0 for x in layers)
+    restore_batchnorm_statistics(model)
+    assert all(type(x) is keras.layers.BatchNormalization for x in layers)
+
+
+def test_unbuilt_sequential():
+    unbuilt = keras.Sequential(
+        [keras.layers.Dense(3), keras.layers.BatchNormalization()]
+    )
+    use_window_statistics(unbuilt, window=2, statistics="window")
+    unbuilt.compile("sgd", "mse")
+    unbuilt.fit(X_MICRO, Y_MICRO.repeat(3, axis=1), batch_size=4, verbose=0)
+    assert np.array(window_state(unbuilt.layers[1])[0]) == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"window": 0}, ValueError, "`window` must be an integer >= 1"),
+        ({"window": 1.5}, TypeError, "`window` must be an integer"),
+        ({"window": "2"}, TypeError, "Received: window='2'"),
+        ({}, ValueError, "Pass `window`"),
+        ({"window": 2, "statistics": "bogus"}, ValueError, "statistics='bog"),
+        ({"optimizer": "sgd"}, TypeError, "`optimizer` must be a keras_mgpu"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        use_window_statistics(first_bn_model(), **kwargs)
+
+
+def test_bad_models():
+    with pytest.raises(TypeError, match="`model` must be a Keras model"):
+        use_window_statistics("model", window=2)
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="has no BatchNormalization layer"):
+        use_window_statistics(plain, window=2)
+    inputs = keras.Input((3,))
+    renorm = keras.Model(
+        inputs, keras.layers.BatchNormalization(renorm=True)(inputs)
+    )
+    with pytest.raises(ValueError, match="renorm=True"):
+        use_window_statistics(renorm, window=2)
+    both = make_optimizer("sgd", 2)
+    with pytest.raises(ValueError, match="either `window` or `optimizer`"):
+        use_window_statistics(first_bn_model(), window=2, optimizer=both)
