@@ -19,6 +19,7 @@ from keras_mgpu._flavour import (
 )
 from keras_mgpu._validation import check_int
 from keras_mgpu.distribute import strategy_kind
+from keras_mgpu.normalization._warn import check_from_optimizer
 from keras_mgpu.optimizers._accumulation_common import (
     DENSE,
     INNER_ONLY_ARGUMENTS,
@@ -417,6 +418,9 @@ class GradientAccumulationOptimizer(
     def build(self, var_list: list) -> None:
         if self.built:
             return
+        # `fit` builds the optimizer from the model's `_symbolic_build`:
+        # the model is on the stack (BatchNormalization warning, once).
+        check_from_optimizer(self, var_list)
         self.inner_optimizer.build(var_list)
         # The base build would create EMA variables for a `use_ema` that
         # reads the inner's; the inner's own `apply` keeps the averages.
@@ -563,6 +567,9 @@ class GradientAccumulationOptimizer(
                 )
             trainable_variables = self._trainable_variables
         trainable_variables = list(trainable_variables)
+        # The model's `train_step` is on the stack (a dictionary lookup
+        # once the model was found or given up on).
+        check_from_optimizer(self, trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)

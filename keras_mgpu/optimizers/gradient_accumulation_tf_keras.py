@@ -17,6 +17,7 @@ from keras_mgpu._flavour import (
     tf,
 )
 from keras_mgpu._validation import check_int
+from keras_mgpu.normalization._warn import check_from_optimizer
 from keras_mgpu.optimizers._accumulation_common import (
     DENSE,
     INNER_ONLY_ARGUMENTS,
@@ -364,6 +365,9 @@ class GradientAccumulationOptimizer(
         if not pairs:
             return self.iterations
         variables = [v for _, v in pairs]
+        # The model's `train_step` is on the stack (BatchNormalization
+        # warning, once; a dictionary lookup afterwards).
+        check_from_optimizer(self, variables)
         with tf.init_scope():
             # Lift variable creation out of any tf.function, as tf_keras
             # optimizers do.

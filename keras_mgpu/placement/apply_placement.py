@@ -19,6 +19,10 @@ from keras_mgpu.layers.recompute_in_place import (
     is_switched_per_layer,
     recompute_layer_in_place,
 )
+from keras_mgpu.normalization._warn import (
+    carry_batchnorm_choices,
+    warn_if_unremedied,
+)
 from keras_mgpu.placement import _graph
 from keras_mgpu.placement.devices import check_strategy, variables_on
 from keras_mgpu.placement.partition import assign_devices
@@ -213,6 +217,8 @@ def apply_placement(
     functional = _graph.as_functional(model)
     if micro_batches and micro_batches > 1:
         _check_dense_inputs(functional, micro_batches)
+        # BatchNormalization per micro-batch, with no choice made: once.
+        warn_if_unremedied(model, micro_batches=micro_batches, stacklevel=3)
     placeable = _graph.units(functional)
     device_list = assign_devices(
         model,
@@ -237,6 +243,7 @@ def apply_placement(
         inputs, outputs = pipelined(stages, micro_batches, device_list[0], last)
         placed = PlacedModel(inputs, outputs, name=model.name)
     _carry_recompute(model, placeable, placed, "apply_placement")
+    carry_batchnorm_choices(model, placed)
     return placed
 
 
@@ -315,6 +322,7 @@ def strip_placement(model: Any) -> Any:
         else:
             pairs.append((layer.layer, copy))
     carry_recompute(pairs, (stages, plain), "strip_placement")
+    carry_batchnorm_choices(model, plain)
     return plain
 
 

@@ -1,0 +1,211 @@
+"""The once-per-model warning for BatchNormalization on micro-batches.
+
+`GradientAccumulationOptimizer` (accumulation_steps > 1) and
+`apply_placement` (micro_batches > 1) call in here. A model is warned about
+at most once per process; any failure to find or inspect the model means
+no warning, never an error in the user's training.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from typing import Any
+
+from keras_mgpu.normalization._find import unremedied_for_micro_batches
+
+# Set on a model (with `object.__setattr__`, untracked) once it was warned
+# about, or once a component decided it needs no warning.
+_WARNED_ATTR = "_keras_mgpu_batchnorm_warned"
+# Set on an optimizer once it looked for its model (found or given up).
+_LOOKED_ATTR = "_keras_mgpu_batchnorm_looked"
+# Looks for the model per optimizer before giving up: `build` and the
+# first `apply` (the model's `train_step` is on the stack then), plus one.
+_MAX_LOOKS = 3
+# Frames searched upwards for the model's `train_step`.
+_MAX_FRAMES = 80
+
+_LOCK = threading.Lock()
+
+
+class BatchNormMicroBatchWarning(UserWarning):
+    """A model with trainable BatchNormalization layers is trained on
+    micro-batches (gradient accumulation or pipelining) with no choice
+    made about their statistics.
+
+    Each micro-batch is then normalised with its own statistics and the
+    moving statistics move once per micro-batch. Silence it per model by
+    choosing a remedy in `keras_mgpu.normalization`, or filter it:
+    `warnings.filterwarnings("ignore",
+    category=keras_mgpu.normalization.BatchNormMicroBatchWarning)`.
+    """
+
+
+def _message(model: Any, layers: list, how: str) -> str:
+    name = getattr(model, "name", type(model).__name__)
+    return (
+        f"Model {name!r} has {len(layers)} trainable BatchNormalization "
+        f"layer{'s' if len(layers) != 1 else ''} ({layers[0].name!r}"
+        f"{', ...' if len(layers) > 1 else ''}) and is trained on {how}: "
+        "each micro-batch is normalised with its own statistics and the "
+        "moving statistics move once per micro-batch. Choose, in "
+        "keras_mgpu.normalization: "
+        "use_window_statistics(model, window=...) (moving statistics once "
+        "per update), freeze_batchnorm(model) (fine-tuning), "
+        "convert_batchnorm_to_groupnorm(model) (from scratch), or "
+        "accept_micro_batch_statistics(model) (keep it, no warning). See "
+        "docs/guides/batchnorm.md."
+    )
+
+
+def warn_if_unremedied(
+    model: Any,
+    *,
+    accumulation_steps: int | None = None,
+    micro_batches: int | None = None,
+    stacklevel: int = 2,
+) -> bool:
+    """Warn (once per model) when `model` has trainable BatchNormalization
+    layers with no micro-batch choice made. Returns whether it warned.
+
+    Never raises: a model that cannot be inspected is not warned about.
+    """
+    try:
+        with _LOCK:
+            if model.__dict__.get(_WARNED_ATTR):
+                return False
+            layers = unremedied_for_micro_batches(model)
+            if not layers:
+                return False
+            object.__setattr__(model, _WARNED_ATTR, True)
+        if accumulation_steps is not None:
+            how = (
+                f"{accumulation_steps} micro-batches per update (gradient "
+                f"accumulation, accumulation_steps={accumulation_steps})"
+            )
+        else:
+            how = (
+                f"{micro_batches} micro-batches per step (pipelining, "
+                f"micro_batches={micro_batches})"
+            )
+        message = _message(model, layers, how)
+    except Exception:  # noqa: BLE001 - a warning must never break training
+        return False
+    warnings.warn(message, BatchNormMicroBatchWarning, stacklevel=stacklevel)
+    return True
+
+
+def carry_batchnorm_choices(source: Any, copy: Any) -> None:
+    """Give the BatchNormalization layers of `copy` (a model rebuilt from
+    `source`'s configs, e.g. by `apply_placement`) the remedy choices of
+    their namesakes in `source`, and its "warned" state: the rebuilt
+    layers are new objects, but the user's choice was made for them.
+    Names that are not unique in `source` are skipped."""
+    from keras_mgpu.normalization._find import (
+        batchnorm_layers,
+        choice_of,
+        mark_choice,
+    )
+
+    try:
+        choices: dict = {}
+        for layer in batchnorm_layers(source):
+            choices.setdefault(layer.name, []).append(choice_of(layer))
+        for layer in batchnorm_layers(copy):
+            found = choices.get(layer.name, [])
+            if len(found) == 1 and found[0] is not None:
+                mark_choice(layer, found[0])
+        if source.__dict__.get(_WARNED_ATTR):
+            object.__setattr__(copy, _WARNED_ATTR, True)
+    except Exception:  # noqa: BLE001 - bookkeeping only
+        return
+
+
+def _model_classes() -> tuple:
+    classes = []
+    keras3 = sys.modules.get("keras")
+    if keras3 is not None and hasattr(keras3, "Model"):
+        classes.append(keras3.Model)
+    tf_keras = sys.modules.get("tf_keras")
+    if tf_keras is not None and hasattr(tf_keras, "Model"):
+        classes.append(tf_keras.Model)
+    return tuple(classes)
+
+
+def _owns(model: Any, variable_ids: set) -> bool:
+    return any(id(v) in variable_ids for v in model.trainable_variables)
+
+
+def _model_in_frames(frame: Any, classes: tuple, variable_ids: set) -> Any:
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, classes) and _owns(candidate, variable_ids):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def calling_model(variables: list) -> Any:
+    """The Keras model whose `train_step` (or `_symbolic_build`) is on the
+    call stack and owns `variables`, or None.
+
+    Looks at the current thread first, then at the other threads: under
+    `MirroredStrategy` the replica threads run `train_step`, and a wrapper
+    such as `LossScaleOptimizer` may reach the optimizer from threads of
+    its own (`merge_call`, then `call_for_each_replica`). The ownership
+    check keeps a model that trains other variables (another thread,
+    another model) from being taken.
+    """
+    classes = _model_classes()
+    if not classes:
+        return None
+    variable_ids = {id(v) for v in variables}
+    if not variable_ids:
+        return None
+    found = _model_in_frames(sys._getframe(1), classes, variable_ids)
+    if found is not None:
+        return found
+    me = threading.get_ident()
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        found = _model_in_frames(frame, classes, variable_ids)
+        if found is not None:
+            return found
+    return None
+
+
+def check_from_optimizer(optimizer: Any, variables: Any) -> None:
+    """Called by `GradientAccumulationOptimizer` in `build` and `apply`:
+    find the model being trained and warn once about its
+    BatchNormalization layers. After the model is found (or after
+    `_MAX_LOOKS` tries) this is one dictionary lookup.
+    """
+    state = optimizer.__dict__.get(_LOOKED_ATTR, 0)
+    if state is True:
+        return
+    try:
+        steps = optimizer.accumulation_steps
+        if steps <= 1:
+            object.__setattr__(optimizer, _LOOKED_ATTR, True)
+            return
+        model = calling_model(list(variables))
+        with _LOCK:
+            state = optimizer.__dict__.get(_LOOKED_ATTR, 0)
+            if state is True:
+                return
+            if model is None:
+                state += 1
+                object.__setattr__(
+                    optimizer,
+                    _LOOKED_ATTR,
+                    True if state >= _MAX_LOOKS else state,
+                )
+                return
+            object.__setattr__(optimizer, _LOOKED_ATTR, True)
+        warn_if_unremedied(model, accumulation_steps=steps, stacklevel=4)
+    except Exception:  # noqa: BLE001 - a warning must never break training
+        return
