@@ -248,11 +248,16 @@ def training_mode_accuracy(tf, model, x_test, y_test) -> float | None:
     return accuracy
 
 
+def _short(variable) -> str:
+    return variable.name.split("/")[-1].split(":")[0]
+
+
 def per_layer(network, flat: list) -> dict:
-    """{layer name: weights} of `network` holding the flat `flat`."""
+    """{layer name: {variable name: value}} of `network` holding the flat
+    weights `flat`."""
     network.set_weights(flat)
     return {
-        layer.name: layer.get_weights()
+        layer.name: {_short(v): v.numpy() for v in layer.weights}
         for layer in network.layers
         if layer.weights
     }
@@ -264,15 +269,21 @@ def _all_layers(model) -> list:
 
 def load_layers(model, weights: dict, remedy: str | None) -> None:
     """Assign each layer of `model` (nested and placed layers included)
-    the weights of the base network's layer of the same name."""
+    the weights of the base network's layer of the same name, variable by
+    variable name (a remedy may add variables, e.g. window accumulators)."""
     loaded = set()
     for layer in _all_layers(model):
         values = weights.get(layer.name)
-        if values is None or len(layer.weights) != len(values):
+        if values is None:
             continue
-        if [tuple(w.shape) for w in layer.weights] != [v.shape for v in values]:
+        own = {_short(v): v for v in layer.weights}
+        if not all(
+            key in own and tuple(own[key].shape) == value.shape
+            for key, value in values.items()
+        ):
             continue
-        layer.set_weights(values)
+        for key, value in values.items():
+            own[key].assign(value)
         loaded.add(layer.name)
     missing = set(weights) - loaded
     if remedy == "groupnorm":  # the BatchNormalization layers are gone
@@ -500,14 +511,14 @@ def main() -> None:
         "runs whenever a case needs it)",
     )
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--updates", type=int, default=150)
+    parser.add_argument("--updates", type=int, default=100)
     parser.add_argument("--finetune-updates", type=int, default=50)
     parser.add_argument("--batch", type=int, default=64, help="global")
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--finetune-lr", type=float, default=5e-4)
     parser.add_argument("--bn-momentum", type=float, default=0.9)
     parser.add_argument("--alpha", type=float, default=0.35)
-    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=32)
     parser.add_argument(
         "--fresh-per-seed",
         action="store_true",
