@@ -64,6 +64,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #   splits: K, M or R (1 for large)
 #   remedy: None | "window" | "momentum" | "sync" | "groupnorm" | "freeze"
 #   start: "scratch" | "finetune" (from the same seed's `large` weights)
+#     | "fixed" (from the same seed's `large` weights, learning rate 0:
+#     only the moving statistics change, so their drift is bookkeeping)
 CASES = {
     "large": ("large", 1, None, "scratch"),
     "accum_k2": ("accum", 2, None, "scratch"),
@@ -83,7 +85,31 @@ CASES = {
     "finetune_large": ("large", 1, None, "finetune"),
     "finetune_k8": ("accum", 8, None, "finetune"),
     "finetune_k8_freeze": ("accum", 8, "freeze", "finetune"),
+    "fixed_large": ("large", 1, None, "fixed"),
+    "fixed_k8": ("accum", 8, None, "fixed"),
+    "fixed_k8_window": ("accum", 8, "window", "fixed"),
+    "fixed_k8_momentum": ("accum", 8, "momentum", "fixed"),
+    "fixed_r4": ("replicas", 4, None, "fixed"),
+    "fixed_r4_sync": ("replicas", 4, "sync", "fixed"),
 }
+REFERENCES = {"scratch": "large", "finetune": "finetune_large"}
+REFERENCES["fixed"] = "fixed_large"
+
+
+def _updates(start: str, args) -> int:
+    return {
+        "scratch": args.updates,
+        "finetune": args.finetune_updates,
+        "fixed": args.fixed_updates,
+    }[start]
+
+
+def _learning_rate(start: str, args) -> float:
+    return {"scratch": args.lr, "finetune": args.finetune_lr, "fixed": 0.0}[
+        start
+    ]
+
+
 QUICK_CASES = ("large", "accum_k4", "accum_k4_window", "replicas_r2")
 PIPELINE_DEVICES = 2
 
@@ -320,12 +346,10 @@ def build_case(name: str, ctx: dict, args):
         if kind == "replicas"
         else tf.distribute.get_strategy()
     )
-    finetune = start == "finetune"
+    trained = start != "scratch"
     with strategy.scope():
         model = build_network(keras, args)
-        load_layers(
-            model, ctx["pretrained" if finetune else "initial"][0], None
-        )
+        load_layers(model, ctx["pretrained" if trained else "initial"][0], None)
         if remedy == "groupnorm":
             model = _replaced(
                 _remedy("convert_batchnorm_to_groupnorm")(
@@ -350,9 +374,7 @@ def build_case(name: str, ctx: dict, args):
                 ),
                 model,
             )
-        optimizer = keras.optimizers.Adam(
-            args.finetune_lr if finetune else args.lr
-        )
+        optimizer = keras.optimizers.Adam(_learning_rate(start, args))
         if kind == "accum":
             optimizer = GradientAccumulationOptimizer(optimizer, splits)
         model.compile(
@@ -397,13 +419,13 @@ def run_seed(name: str, seed: int, built, ctx: dict, args) -> dict:
 
     kind, splits, remedy, start = CASES[name]
     model, strategy, snapshot = built
-    finetune = start == "finetune"
-    weights = ctx["pretrained" if finetune else "initial"][seed]
+    trained = start != "scratch"
+    weights = ctx["pretrained" if trained else "initial"][seed]
     reset(model, strategy, snapshot, weights, remedy)
-    updates = args.finetune_updates if finetune else args.updates
+    updates = _updates(start, args)
     x_train, y_train, x_test, y_test = ctx["data"]
     order = sample_order(
-        len(x_train), updates * args.batch, seed + (1000 if finetune else 0)
+        len(x_train), updates * args.batch, seed + (1000 if trained else 0)
     )
     micro = splits if kind == "accum" else 1
     data = dataset(tf, x_train, y_train, order, args.batch // micro)
@@ -447,7 +469,7 @@ def summarise(name: str, runs: dict, results: dict, args) -> dict:
     """One JSON row for case `name` over its seeds, with deltas against
     its reference measured in the same run."""
     kind, splits, remedy, start = CASES[name]
-    reference = "finetune_large" if start == "finetune" else "large"
+    reference = REFERENCES[start]
     row = {
         "benchmark": "batchnorm_split",
         "case": name,
@@ -459,9 +481,8 @@ def summarise(name: str, runs: dict, results: dict, args) -> dict:
         "bn_momentum": args.bn_momentum,
         "global_batch": args.batch,
         "per_forward_batch": args.batch // splits,
-        "updates": args.finetune_updates
-        if start == "finetune"
-        else args.updates,
+        "updates": _updates(start, args),
+        "learning_rate": _learning_rate(start, args),
         "seeds": sorted(runs),
     }
     for key in ("accuracy", "loss", "training_mode_accuracy"):
@@ -516,6 +537,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="global")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--finetune-lr", type=float, default=5e-4)
+    parser.add_argument(
+        "--fixed-updates",
+        type=int,
+        default=20,
+        help="updates at learning rate 0 of the fixed_* cases",
+    )
     parser.add_argument("--bn-momentum", type=float, default=0.9)
     parser.add_argument("--alpha", type=float, default=0.35)
     parser.add_argument("--groups", type=int, default=32)
@@ -532,6 +559,7 @@ def main() -> None:
         return
     if args.quick:
         args.seeds, args.updates, args.finetune_updates = 1, 12, 4
+        args.fixed_updates = 4
     names = (
         args.cases.split(",")
         if args.cases
@@ -542,9 +570,8 @@ def main() -> None:
         parser.error(f"unknown cases {unknown}; --list shows them")
     needed = set(names)
     for name in names:
-        needed.add("finetune_large" if CASES[name][3] == "finetune" else "")
+        needed.add(REFERENCES[CASES[name][3]])
         needed.add("large")
-    needed.discard("")
     order = [n for n in CASES if n in needed]
 
     devices = configure_devices(4)
