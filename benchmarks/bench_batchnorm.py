@@ -19,7 +19,12 @@ sample order in every case:
   the large batch up to float rounding) and `freeze_batchnorm`
   (`finetune_*`: fine-tuning, starting from the weights of the same
   seed's `large` run, `--finetune-updates` more updates at
-  `--finetune-lr`, compared with the large batch fine-tuned likewise).
+  `--finetune-lr`, compared with the large batch fine-tuned likewise);
+- `fixed_*`: from the same trained weights, `--fixed-updates` updates at
+  learning rate 0. The weights stay those of the reference, so the drift
+  of the moving statistics from `fixed_large` is their bookkeeping alone
+  (from scratch, the drift also holds every difference of the trained
+  weights, which follow another path from the first update on).
 
 Reported per case (one JSON line, mean and standard deviation over the
 seeds): test accuracy and loss evaluated with the moving statistics (what
@@ -165,19 +170,29 @@ def dataset(tf, x, y, order, batch: int):
 
 
 def build_network(keras, args):
-    """MobileNetV2 (alpha 0.35, 32x32x3, random init, logits), with every
-    BatchNormalization momentum set to `args.bn_momentum`."""
-    model = keras.applications.MobileNetV2(
-        alpha=args.alpha,
+    """MobileNetV2 (alpha `args.alpha`) or, with `--network resnet50`,
+    ResNet50; 32x32x3, random init, logits; every BatchNormalization
+    momentum set to `args.bn_momentum`."""
+    common = dict(
         input_shape=(32, 32, 3),
         weights=None,
         classes=10,
         classifier_activation=None,
     )
+    if args.network == "resnet50":
+        model = keras.applications.ResNet50(**common)
+    else:
+        model = keras.applications.MobileNetV2(alpha=args.alpha, **common)
     for layer in model.layers:
         if isinstance(layer, keras.layers.BatchNormalization):
             layer.momentum = args.bn_momentum
     return model
+
+
+def _network_name(args) -> str:
+    if args.network == "resnet50":
+        return "ResNet50"
+    return f"MobileNetV2(alpha={args.alpha})"
 
 
 def _normalization():
@@ -477,7 +492,7 @@ def summarise(name: str, runs: dict, results: dict, args) -> dict:
         "splits": splits,
         "remedy": remedy,
         "start": start,
-        "network": f"MobileNetV2(alpha={args.alpha})",
+        "network": _network_name(args),
         "bn_momentum": args.bn_momentum,
         "global_batch": args.batch,
         "per_forward_batch": args.batch // splits,
@@ -545,6 +560,13 @@ def main() -> None:
     )
     parser.add_argument("--bn-momentum", type=float, default=0.9)
     parser.add_argument("--alpha", type=float, default=0.35)
+    parser.add_argument(
+        "--network",
+        choices=["mobilenetv2", "resnet50"],
+        default="mobilenetv2",
+        help="resnet50: about 70x the multiply-adds per example (not run "
+        "on the 2-core CPU)",
+    )
     parser.add_argument("--groups", type=int, default=32)
     parser.add_argument(
         "--fresh-per-seed",
