@@ -32,6 +32,7 @@ from keras_mgpu._flavour import (
     FLAVOUR,
     flavour_of,
     keras_of,
+    object_flavour,
     register_serializable,
     tf,
 )
@@ -148,7 +149,12 @@ class _WindowStatisticsMixin:
     def __init__(
         self, *args, window: int = 1, statistics: str = "window", **kwargs
     ):
+        window = check_int(window, "window", minimum=1)
+        _check_statistics(statistics)
         _set_mode(self, window, statistics)
+        # Made from a config (a `.keras` file, `clone_model`, a placed copy):
+        # the choice is made already.
+        mark_choice(self, statistics)
         super().__init__(*args, **kwargs)
 
     # The momentum Keras's `call` applies per call; the user's stays in
@@ -173,13 +179,14 @@ class _WindowStatisticsMixin:
 
     @property
     def statistics(self) -> str:
-        """ "window" or "momentum" (see `use_window_statistics`)."""
+        """The statistics kept (see `use_window_statistics`)."""
         return self.__dict__[_STATISTICS]
 
-    def build(self, *args, **kwargs):
+    def build(self, input_shape):
         # tf_keras calls the class's `build`; Keras 3 calls the `build` the
-        # instance was made with, then `_post_build` (below).
-        super().build(*args, **kwargs)
+        # instance was made with, then `_post_build` (below). The signature
+        # is BatchNormalization's: Keras 3 binds shapes to its names.
+        super().build(input_shape)
         _ensure_state(self)
 
     def _post_build(self):
@@ -211,6 +218,14 @@ class _WindowStatisticsMixin:
         outputs = super().call(inputs, training=training, mask=mask)
         _advance_window(self, state, inputs, mask, old_mean, old_var, active)
         return outputs
+
+
+def _check_statistics(statistics: Any) -> None:
+    if statistics not in STATISTICS:
+        raise ValueError(
+            f"Argument `statistics` must be one of {STATISTICS}. Received: "
+            f"statistics={statistics!r}"
+        )
 
 
 def _set_mode(layer: Any, window: int, statistics: str) -> None:
@@ -277,8 +292,9 @@ def _advance_window(layer, state, inputs, mask, old_mean, old_var, active):
     n = tf.cast(_count(layer, inputs, mask, channels), dtype)
 
     # tf_keras's fused kernel (4-D and 5-D inputs) moves the variance
-    # towards the micro-batch's unbiased variance: work in biased variances
-    # and give the window's the same correction, as its large batch would.
+    # towards the micro-batch's unbiased variance (measured with TF 2.21 in
+    # eager, tf.function and XLA alike): work in biased variances and give
+    # the window's the same correction, as its large batch would.
     bessel = bool(getattr(layer, "fused", False))
     if bessel:
         batch_var = batch_var * _bessel(n, inverse=True)
@@ -433,16 +449,10 @@ def window_batch_normalization_class(flavour: str | None = None) -> type:
 
 
 def _check_model(model: Any, argument: str = "model") -> None:
-    found = None
-    for klass in type(model).__mro__:
-        module = klass.__module__ or ""
-        if module.startswith("tf_keras"):
-            found = "tf_keras"
-            break
-        if module == "keras" or module.startswith("keras."):
-            found = "keras3"
-            break
-    if found is None or not isinstance(model, keras_of(found).layers.Layer):
+    found = object_flavour(model)
+    if found not in ("keras3", "tf_keras") or not isinstance(
+        model, keras_of(found).layers.Layer
+    ):
         raise TypeError(
             f"Argument `{argument}` must be a Keras model or layer (Keras 3 "
             f"or tf_keras). Received: {argument}={model!r} (of type "
@@ -516,6 +526,11 @@ def _recompute_switch(layer: Any):
 
 def _switch(layer: Any, window: int, statistics: str) -> None:
     if isinstance(layer, _WindowStatisticsMixin):
+        if (layer.window, layer.statistics) == (window, statistics):
+            # Already so (a loaded `.keras` file, a second call): keep the
+            # window in progress.
+            mark_choice(layer, statistics)
+            return
         _restore(layer)
     _check_layer(layer)
     again = _recompute_switch(layer)
@@ -619,8 +634,11 @@ def use_window_statistics(
     `restore_batchnorm_statistics` to undo, e.g. before saving a model for
     loading without keras_mgpu. Subclasses of BatchNormalization are
     switched to an unregistered subclass of their own (restore them before
-    saving in the `.keras` format). A compiled model's cached train, test
-    and predict functions are dropped, so the next `fit` uses the switch.
+    saving in the `.keras` format). Calling it again with the same
+    `window` and `statistics` (say on a model loaded from a `.keras` file)
+    keeps the window in progress; other values start a new one. A
+    compiled model's cached train, test and predict functions are dropped,
+    so the next `fit` uses the switch.
     Composes with `apply_recompute(..., in_place=True)` in either order
     (the recomputation's replay leaves the moving statistics and
     accumulators as the forward left them).
@@ -676,11 +694,7 @@ def use_window_statistics(
     """
     _check_model(model)
     window = _window_of(window, optimizer)
-    if statistics not in STATISTICS:
-        raise ValueError(
-            f"Argument `statistics` must be one of {STATISTICS}. Received: "
-            f"statistics={statistics!r}"
-        )
+    _check_statistics(statistics)
     layers = batchnorm_layers(model)
     if not layers:
         raise ValueError(
