@@ -8,6 +8,7 @@ no warning, never an error in the user's training.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import warnings
@@ -59,12 +60,35 @@ def _message(model: Any, layers: list, how: str) -> str:
     )
 
 
+# Frames of these packages are skipped so the warning names the user's line
+# (the `fit` or `apply_placement` call).
+_INTERNAL = (
+    f"{os.sep}keras{os.sep}",
+    f"{os.sep}tf_keras{os.sep}",
+    f"{os.sep}tensorflow{os.sep}",
+    f"{os.sep}keras_mgpu{os.sep}",
+    f"{os.sep}threading.py",
+    f"{os.sep}contextlib.py",
+)
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` of the first caller outside Keras, TensorFlow and
+    keras_mgpu (2 when there is none on this thread, e.g. a replica
+    thread)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None:
+        if not any(part in frame.f_code.co_filename for part in _INTERNAL):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
+
+
 def warn_if_unremedied(
     model: Any,
     *,
     accumulation_steps: int | None = None,
     micro_batches: int | None = None,
-    stacklevel: int = 2,
 ) -> bool:
     """Warn (once per model) when `model` has trainable BatchNormalization
     layers with no micro-batch choice made. Returns whether it warned.
@@ -92,7 +116,9 @@ def warn_if_unremedied(
         message = _message(model, layers, how)
     except Exception:  # noqa: BLE001 - a warning must never break training
         return False
-    warnings.warn(message, BatchNormMicroBatchWarning, stacklevel=stacklevel)
+    warnings.warn(
+        message, BatchNormMicroBatchWarning, stacklevel=_user_stacklevel()
+    )
     return True
 
 
@@ -137,12 +163,28 @@ def _owns(model: Any, variable_ids: set) -> bool:
     return any(id(v) in variable_ids for v in model.trainable_variables)
 
 
+# Model methods that build an optimizer without training: loading a saved
+# model builds its optimizer from `compile_from_config` (Keras 3.10-3.15),
+# and a model loaded for inference must not be warned about.
+_NOT_TRAINING = frozenset(
+    (
+        "compile_from_config",
+        "load_own_variables",
+        "_load_state",
+        "load_weights",
+        "build_from_config",
+    )
+)
+
+
 def _model_in_frames(frame: Any, classes: tuple, variable_ids: set) -> Any:
     for _ in range(_MAX_FRAMES):
         if frame is None:
             return None
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, classes) and _owns(candidate, variable_ids):
+            if frame.f_code.co_name in _NOT_TRAINING:
+                return None
             return candidate
         frame = frame.f_back
     return None
@@ -178,6 +220,16 @@ def calling_model(variables: list) -> Any:
     return None
 
 
+def _plain_python(function: Any) -> Any:
+    """Keep AutoGraph from converting `function` when an optimizer applies
+    gradients inside a user's `tf.function`: it reads the Python stack,
+    which a converted copy does not see as written."""
+    from keras_mgpu._flavour import tf
+
+    return tf.autograph.experimental.do_not_convert(function)
+
+
+@_plain_python
 def check_from_optimizer(optimizer: Any, variables: Any) -> None:
     """Called by `GradientAccumulationOptimizer` in `build` and `apply`:
     find the model being trained and warn once about its
@@ -206,6 +258,6 @@ def check_from_optimizer(optimizer: Any, variables: Any) -> None:
                 )
                 return
             object.__setattr__(optimizer, _LOOKED_ATTR, True)
-        warn_if_unremedied(model, accumulation_steps=steps, stacklevel=4)
+        warn_if_unremedied(model, accumulation_steps=steps)
     except Exception:  # noqa: BLE001 - a warning must never break training
         return

@@ -129,6 +129,29 @@ def _refresh_compiled(model: Any) -> None:
             }
 
 
+def _unknown_to_optimizer(model: Any, variables: list) -> list:
+    """Those of `variables` that the compiled model's optimizer, already
+    built, was not built with (it refuses to update them: Keras 3 raises
+    "Unknown variable", tf_keras a KeyError). Private API, isolated here
+    (Keras 3.10-3.15: `_trainable_variables`; tf_keras 2.15-2.21:
+    `_var_key` and `_index_dict`); [] when it cannot tell."""
+    optimizer = getattr(model, "optimizer", None)
+    try:
+        if optimizer is None:
+            return []
+        if hasattr(optimizer, "_index_dict"):  # tf_keras
+            if not getattr(optimizer, "_built", False):
+                return []
+            known = optimizer._index_dict
+            return [v for v in variables if optimizer._var_key(v) not in known]
+        if not optimizer.built:
+            return []
+        known_ids = {id(v) for v in optimizer._trainable_variables}
+        return [v for v in variables if id(v) not in known_ids]
+    except Exception:  # noqa: BLE001 - only a hint
+        return []
+
+
 # ----------------------------------------------------------------------
 # synchronize_batchnorm
 # ----------------------------------------------------------------------
@@ -294,7 +317,10 @@ def freeze_batchnorm(model: Any, frozen: bool = True) -> Any:
         model: a Keras 3 or tf_keras model or layer.
         frozen: bool (default True). False undoes the call: each layer gets
             back the `trainable` flag it had before (a layer with no
-            record, e.g. loaded from a file, becomes trainable).
+            record, e.g. loaded from a file, becomes trainable). If the
+            optimizer was built while the layers were frozen (the first
+            `fit` came after freezing), it cannot update them: a
+            UserWarning says so; compile again with a new optimizer.
 
     Returns:
         `model`, changed in place.
@@ -337,6 +363,20 @@ def freeze_batchnorm(model: Any, frozen: bool = True) -> Any:
                     mark_choice(layer, record["choice"])
     if layers:
         _refresh_compiled(model)
+    if not frozen:
+        unknown = _unknown_to_optimizer(
+            model, [v for layer in layers for v in layer.trainable_weights]
+        )
+        if unknown:
+            warnings.warn(
+                "`freeze_batchnorm(model, False)`: the model's optimizer was "
+                "built while the BatchNormalization layers were frozen and "
+                f"cannot update {len(unknown)} of their variables "
+                f"({unknown[0].name}, ...). Compile the model again, with a "
+                "new optimizer, before `fit`.",
+                UserWarning,
+                stacklevel=2,
+            )
     return model
 
 

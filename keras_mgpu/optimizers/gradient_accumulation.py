@@ -313,6 +313,12 @@ class GradientAccumulationOptimizer(
     forward pass, as with any Keras model. Their values after a window
     therefore differ from one large-batch step (K momentum updates with
     micro-batch statistics instead of one with large-batch statistics).
+    With `accumulation_steps > 1`, a model with trainable
+    BatchNormalization layers and no choice made about them gets one
+    `keras_mgpu.normalization.BatchNormMicroBatchWarning` (the model is
+    found when `fit` builds the optimizer or its `train_step` applies it;
+    a custom loop calling `apply` outside a model's `train_step` is not
+    warned about); see docs/guides/batchnorm.md for the remedies.
 
     Args:
         inner_optimizer: A Keras 3 `keras.optimizers.Optimizer` that applies

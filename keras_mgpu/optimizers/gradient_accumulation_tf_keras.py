@@ -115,7 +115,9 @@ class GradientAccumulationOptimizer(
     `tf.IndexedSlices` (unique indices, as tf_keras's own deduplication
     makes them), so it updates sparsely where it would without accumulation.
     **Non-trainable weights** (e.g. `BatchNormalization` statistics) keep
-    updating on every micro-batch's forward pass, as with any Keras model.
+    updating on every micro-batch's forward pass, as with any Keras model;
+    a model with trainable BatchNormalization and no choice made about it
+    gets one `BatchNormMicroBatchWarning` (see the Keras 3 class).
 
     Args:
         inner_optimizer: A tf_keras `tf_keras.optimizers.Optimizer` (not a

@@ -154,8 +154,10 @@ def apply_placement(
     the un-pipelined model's for layers that treat examples independently.
     Random layers draw per micro-batch, and BatchNormalization normalises
     and updates its statistics per micro-batch (M updates per step), as
-    under gradient accumulation. Training batches need at least M
-    examples.
+    under gradient accumulation (with M > 1 and no choice made in
+    `keras_mgpu.normalization`, one `BatchNormMicroBatchWarning` says so;
+    the placed copy keeps the choices made on `model`). Training batches
+    need at least M examples.
 
     Recompute (GPipe's re-materialisation) composes in either order.
     Layers recomputed in place (`apply_recompute(..., in_place=True)`)
@@ -218,7 +220,7 @@ def apply_placement(
     if micro_batches and micro_batches > 1:
         _check_dense_inputs(functional, micro_batches)
         # BatchNormalization per micro-batch, with no choice made: once.
-        warn_if_unremedied(model, micro_batches=micro_batches, stacklevel=3)
+        warn_if_unremedied(model, micro_batches=micro_batches)
     placeable = _graph.units(functional)
     device_list = assign_devices(
         model,

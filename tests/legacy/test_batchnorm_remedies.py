@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import pytest
 
 from keras_mgpu._flavour import keras, tf
 from keras_mgpu.normalization import (
@@ -105,6 +106,15 @@ def test_freeze_after_compile_takes_effect_and_is_reversible():
     assert not np.array_equal(before[0], bn.weights[0])
 
 
+def test_unfreeze_warns_when_the_optimizer_was_built_frozen():
+    model = _net()
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    freeze_batchnorm(model)
+    model.fit(X, Y, batch_size=8, verbose=0)
+    with pytest.warns(UserWarning, match="Compile the model again"):
+        freeze_batchnorm(model, False)
+
+
 def test_convert_to_groupnorm_trains_and_round_trips(tmp_path):
     model = _net()
     converted = convert_batchnorm_to_groupnorm(model, groups=4)
@@ -167,7 +177,7 @@ def test_warns_once_through_loss_scaling_under_mirrored(mirrored_strategy):
     try:
         with strategy.scope():
             model = _dense_net()
-        found = _fit_warnings(model, strategy, compiles=2)
+        found = _fit_warnings(model, strategy, compiles=1)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert len(found) == 1

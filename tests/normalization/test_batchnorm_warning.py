@@ -51,11 +51,12 @@ def _fit_and_count(model, steps: int, strategy=None, compiles: int = 2):
                     "mse",
                 )
             model.fit(X, Y, batch_size=4, epochs=2, verbose=0)
-    return [
-        str(w.message)
-        for w in caught
-        if issubclass(w.category, BatchNormMicroBatchWarning)
+    found = [
+        w for w in caught if issubclass(w.category, BatchNormMicroBatchWarning)
     ]
+    # It names the user's line (the `fit` call), not Keras's.
+    assert all(w.filename == __file__ for w in found)
+    return [str(w.message) for w in found]
 
 
 def test_accumulation_warns_once_naming_layers_steps_and_choices():
@@ -72,6 +73,20 @@ def test_accumulation_warns_once_naming_layers_steps_and_choices():
     ):
         assert part in message
     assert issubclass(BatchNormMicroBatchWarning, UserWarning)
+
+
+def test_loading_a_saved_model_is_silent_until_it_trains(tmp_path):
+    model = _model()
+    accept_micro_batch_statistics(model)  # the mark is not saved
+    _fit_and_count(model, steps=2, compiles=1)
+    path = str(tmp_path / "accumulated.keras")
+    model.save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BatchNormMicroBatchWarning)
+        loaded = keras.models.load_model(path)  # builds the optimizer
+        loaded.predict(X, verbose=0)
+    with pytest.warns(BatchNormMicroBatchWarning):
+        loaded.fit(X, Y, batch_size=4, verbose=0)
 
 
 def test_warns_once_under_mirrored_replicas(mirrored_strategy):
@@ -107,27 +122,35 @@ def test_silent_for_one_step_and_without_batchnorm():
     assert _fit_and_count(_model(batchnorm=False), steps=3, compiles=1) == []
 
 
-def test_custom_loop_without_a_model_on_the_stack_is_silent():
-    # The model cannot be found: no warning, no error, and the look-up
-    # stops after a few steps.
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_custom_loop_without_a_model_on_the_stack_is_silent(graph):
+    # The model cannot be found: no warning, no error (also when AutoGraph
+    # converts the step), and the look-up stops after a few steps.
     model = _model()
     optimizer = GradientAccumulationOptimizer(
         keras.optimizers.SGD(0.01), accumulation_steps=2
     )
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(X, training=True) - Y) ** 2)
+        variables = model.trainable_variables
+        optimizer.apply(tape.gradient(loss, variables), variables)
+
+    if graph:
+        step = tf.function(step)
     with warnings.catch_warnings():
         warnings.simplefilter("error", BatchNormMicroBatchWarning)
         for _ in range(4):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((model(X, training=True) - Y) ** 2)
-            variables = model.trainable_variables
-            optimizer.apply(tape.gradient(loss, variables), variables)
+            step()
     assert optimizer.__dict__["_keras_mgpu_batchnorm_looked"] is True
 
 
 def test_pipelined_placement_warns_once_and_carries_choices():
     model = _model()
-    with pytest.warns(BatchNormMicroBatchWarning, match="micro_batches=2"):
+    with pytest.warns(BatchNormMicroBatchWarning, match="micro_batches=2") as w:
         placed = apply_placement(model, ["/cpu:0", "/cpu:1"], micro_batches=2)
+    assert w[0].filename == __file__
     # The placed copy counts as warned about (no second warning in fit).
     assert _fit_and_count(placed, steps=2, compiles=1) == []
     with warnings.catch_warnings():

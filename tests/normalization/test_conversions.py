@@ -395,6 +395,18 @@ def test_freeze_after_fit_takes_effect_without_compile_and_is_reversible():
     assert not np.array_equal(frozen_state[0], bn.weights[0])
 
 
+def test_unfreeze_warns_when_the_optimizer_was_built_frozen():
+    model = _conv_net(False)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    freeze_batchnorm(model)
+    x, y = _data()
+    model.fit(x, y, batch_size=4, verbose=0)
+    with pytest.warns(UserWarning, match="Compile the model again"):
+        freeze_batchnorm(model, False)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(x, y, batch_size=4, verbose=0)
+
+
 def test_accept_marks_and_unmarks():
     model = _conv_net()
     accept_micro_batch_statistics(model)
