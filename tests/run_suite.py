@@ -15,7 +15,8 @@ pyproject.toml accepts (its `tensorflow>=` and `keras>=` floors, installed
 exactly): a virtual environment of its own, `.venv-oldest` in the repository
 root, installed with a time bound, runs `OLDEST_TESTS` (the code that
 depends most on Keras internals: multi-worker `fit`, the optimizers, the
-schedules, BatchNormalization's window statistics). KERAS_MGPU_SKIP_OLDEST=1 skips it (for a quick local run).
+schedules, BatchNormalization's window statistics).
+KERAS_MGPU_SKIP_OLDEST=1 skips it (for a quick local run).
 
 `--quick` is the everyday tier: the Keras 3 tests not marked `slow`, less
 the modules in QUICK_IGNORED (processes, clusters, Keras's replayed cases):
