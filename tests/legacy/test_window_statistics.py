@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import pytest
+from _batchnorm_checks import max_diff, moving
 from conftest import make_strategy
 
 from keras_mgpu._flavour import keras
@@ -51,18 +52,6 @@ def conv_model():
     hidden = keras.layers.BatchNormalization(momentum=0.9)(inputs)
     hidden = keras.layers.GlobalAveragePooling2D()(hidden)
     return keras.Model(inputs, keras.layers.Dense(1)(hidden))
-
-
-def moving(model) -> list:
-    return [
-        np.array(v)
-        for layer in batchnorm_layers(model)
-        for v in (layer.moving_mean, layer.moving_variance)
-    ]
-
-
-def max_diff(a: list, b: list) -> float:
-    return max(float(np.abs(u - v).max()) for u, v in zip(a, b, strict=True))
 
 
 def fit(

@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 import pytest
+from _batchnorm_checks import max_diff, moving
 
 from keras_mgpu import _flavour
 from keras_mgpu.normalization import (
@@ -65,18 +66,6 @@ def first_bn_model() -> keras.Model:
     inputs = keras.Input((6,))
     hidden = keras.layers.BatchNormalization(momentum=0.9)(inputs)
     return keras.Model(inputs, keras.layers.Dense(1)(hidden))
-
-
-def moving(model) -> list:
-    return [
-        np.array(v)
-        for layer in batchnorm_layers(model)
-        for v in (layer.moving_mean, layer.moving_variance)
-    ]
-
-
-def max_diff(a: list, b: list) -> float:
-    return max(float(np.abs(u - v).max()) for u, v in zip(a, b, strict=True))
 
 
 def trainable(model) -> list:
