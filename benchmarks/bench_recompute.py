@@ -44,7 +44,13 @@ per-block recompute holds the input and the outputs of the first
 it is recomputed: `blocks + depth`, (8 + 4) / 33 = 0.36 for 8 blocks of 4,
 before gradients and transient buffers, which both cases hold alike and
 which raise the ratio. The ratio line reports this floor
-("activation_floor").
+("activation_floor") and a bound at the measured peak ("bound_at_peak":
+plain's peak less the activations not kept, over plain's peak), which
+per-block recompute should not exceed (the recomputed step holds fewer
+transients at its peak than plain does at its own). For 8 blocks of
+4 no per-block ratio can reach 0.35 (12/33 > 0.35 even with no
+transients); keeping the fewest activations with one extra forward
+(segments of 8, 7, ..., 1 layers from the input up) holds 9.
 
 Prints one JSON line per case (step time, extra memory and graph size side
 by side), then one line of ratios per case against no recompute, with the
@@ -282,6 +288,22 @@ def _activation_floor(args: argparse.Namespace) -> float | None:
     return round(kept / (args.blocks * args.depth + 1), 3)
 
 
+def _bound_at_peak(args: argparse.Namespace, plain_mib: float | None):
+    """Per-block recompute's peak at most, as a ratio: plain's measured
+    peak less the activations per-block recompute does not keep (one
+    layer's output is batch * width float32). The rest of plain's peak (the
+    incoming gradient, a weight gradient, an input gradient, SGD's copy of
+    a variable still being read) is an upper bound on what the recomputed
+    step holds besides its kept activations;
+    tests/layers/test_recompute_memory.py asserts the in-place engine stays
+    within it. None for other stacks."""
+    if not args.depth or not plain_mib:
+        return None
+    activation = args.batch * args.width * 4 / 2**20
+    dropped = args.blocks * args.depth + 1 - (args.blocks + args.depth)
+    return round((plain_mib - dropped * activation) / plain_mib, 3)
+
+
 def _target_met(case, args, memory_ratio, time_ratio):
     """The issues' targets: sqrt <= 0.5x memory at <= 1.4x time; per block
     on a deep MLP (`--depth`) <= 0.35x memory at <= 1.40x time."""
@@ -377,6 +399,11 @@ def main() -> None:
                     "extra_ops": row["optimized_ops"] - base["optimized_ops"],
                     "extra_matmuls": row["matmuls"] - base["matmuls"],
                     "activation_floor": _activation_floor(args)
+                    if case in ("per_block", "in_place", "tf_recompute_grad")
+                    else None,
+                    "bound_at_peak": _bound_at_peak(
+                        args, base.get("step_peak_mib")
+                    )
                     if case in ("per_block", "in_place", "tf_recompute_grad")
                     else None,
                     "target_met": _target_met(

@@ -107,3 +107,71 @@ def step_peaks(task_index: int) -> dict:
         for mode, peak in peaks.items():
             results[mode][case] = peak
     return results
+
+
+# The deep MLP of the recompute benchmark (`bench_recompute.py --deep`),
+# smaller: blocks of DEEP_DEPTH Dense DEEP_WIDTH ReLU layers, so that one
+# layer's activation is exactly 1 MiB (DEEP_BATCH * DEEP_WIDTH float32).
+DEEP_BLOCKS, DEEP_DEPTH, DEEP_WIDTH, DEEP_BATCH = 8, 4, 512, 512
+
+
+def _deep_model(recompute: bool):
+    from keras_mgpu._flavour import keras
+    from keras_mgpu.layers import apply_recompute
+
+    keras.utils.set_random_seed(0)
+    blocks = [
+        keras.Sequential(
+            [
+                keras.layers.Dense(DEEP_WIDTH, activation="relu")
+                for _ in range(DEEP_DEPTH)
+            ],
+            name=f"block_{i}",
+        )
+        for i in range(DEEP_BLOCKS)
+    ]
+    model = keras.Sequential(
+        [keras.Input((DEEP_WIDTH,)), *blocks, keras.layers.Dense(1)]
+    )
+    if recompute:
+        apply_recompute(
+            model, lambda layer: layer.name.startswith("block_"), in_place=True
+        )
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+def deep_mlp_peaks(task_index: int) -> dict:
+    """Allocator peaks (MiB) of one `train_on_batch` step of the deep MLP,
+    plain and recomputed per block in place, and the size of one layer's
+    activation (MiB)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(DEEP_BATCH, DEEP_WIDTH)).astype("float32")
+    y = rng.normal(size=(DEEP_BATCH, 1)).astype("float32")
+    peaks = {"activation": DEEP_BATCH * DEEP_WIDTH * 4 / 2**20}
+    for case in ("plain", "recompute"):
+        model = _deep_model(case == "recompute")
+        peaks[case] = _peak_mib(
+            lambda m=model: np.asarray(m.train_on_batch(x, y)).ravel()
+        )
+    return peaks
+
+
+def assert_recompute_keeps_only_its_floor(peaks: dict) -> None:
+    """Plain training holds every layer's output when the backward pass
+    starts (`blocks * depth + 1` activations with the input); per-block
+    recompute holds the input and the block boundaries below the block being
+    recomputed, and that block's `depth` activations: `blocks + depth`.
+    Everything else at the peak (the incoming gradient, a weight gradient,
+    an input gradient, SGD's copy of a variable still being read) the two
+    hold alike or the recomputed step holds fewer. So the recomputed peak
+    is at most the plain peak less the activations it does not keep, within
+    one activation."""
+    a = peaks["activation"]
+    kept_plain = DEEP_BLOCKS * DEEP_DEPTH + 1
+    kept_recompute = DEEP_BLOCKS + DEEP_DEPTH
+    assert peaks["plain"] >= kept_plain * a, peaks  # statistics are live
+    bound = peaks["plain"] - (kept_plain - kept_recompute) * a
+    assert peaks["recompute"] <= bound + a, (bound, peaks)

@@ -119,6 +119,22 @@ def test_peak_memory_eager_tf_function_and_fit_run_eagerly():
     assert_recompute_saves_memory(peaks)
 
 
+@pytest.mark.slow
+def test_per_block_recompute_keeps_only_boundaries_and_one_block():
+    """The recomputed deep MLP's peak is at most the plain one's less the
+    activations per-block recompute does not keep (see
+    tests/layers/test_recompute_memory.py)."""
+    from _processes import run_in_process
+    from layers.memory_bodies import assert_recompute_keeps_only_its_floor
+
+    peaks = run_in_process(
+        "layers.memory_bodies:deep_mlp_peaks",
+        timeout=240,
+        env={"TF_ENABLE_ONEDNN_OPTS": "1", "TF_USE_LEGACY_KERAS": "1"},
+    )
+    assert_recompute_keeps_only_its_floor(peaks)
+
+
 @pytest.mark.parametrize("strategy_name", ["default", "mirrored_2"])
 def test_stateful_updates_run_once_per_step(strategy_name):
     from _recompute_state import assert_updates_run_once
