@@ -123,6 +123,18 @@ def test_a_seeded_run_is_bit_reproducible(cluster, seeded_again, name):
 
 
 @pytest.mark.slow
+def test_a_fit_after_every_other_kind_trains_as_the_first(cluster):
+    """The seeded arrays fit, run again at the end of the same process
+    (after tf.data, generator and PyDataset fits), draws the same orders
+    and ends at the same weights, bit for bit."""
+    for result in cluster:
+        first, again = result["arrays_seeded"], result["arrays_seeded_again"]
+        assert again["initial"] == first["initial"]
+        assert again["epochs"] == first["epochs"]
+        assert again["weights"] == first["weights"]
+
+
+@pytest.mark.slow
 def test_the_workers_train_the_same_weights(cluster):
     for name in SHUFFLED:
         assert cluster[0][name]["weights"] == cluster[1][name]["weights"]
