@@ -36,9 +36,14 @@ logger = logging.getLogger(__name__)
 _SAVED_ATTR = "_keras_mgpu_batchnorm_saved"
 
 # Below this many values per group and example, a GroupNormalization
-# output keeps little of its input (2 values normalise to -1 and +1):
-# `convert_batchnorm_to_groupnorm` warns.
-FEW_VALUES_PER_GROUP = 8
+# output keeps little of its input (2 values normalise to -1 and +1), and
+# a network whose narrow layers normalise so few does not train: measured,
+# MobileNetV2 0.35 on 32x32 digits (1x1 and 2x2 maps at the end, groups
+# of 2-4 values) stayed at chance (benchmarks/bench_batchnorm.py,
+# groupnorm_k8). `convert_batchnorm_to_groupnorm` takes fewer groups
+# where that keeps at least this many, and warns where even one group
+# holds fewer.
+MIN_VALUES_PER_GROUP = 16
 
 
 # ----------------------------------------------------------------------
@@ -449,21 +454,32 @@ def _input_shape(layer: Any) -> tuple:
         return ()
 
 
-def choose_groups(channels: int, groups: int, values_per_channel: int) -> int:
+def choose_groups(
+    channels: int,
+    groups: int,
+    values_per_channel: int,
+    min_values: int = MIN_VALUES_PER_GROUP,
+) -> int:
     """The number of groups for `channels` channels: the largest divisor of
-    `channels` that is <= `groups` and leaves each group more than one
-    value per example (`values_per_channel` is the product of the other
-    non-batch dimensions; 1 for a `(batch, channels)` input). A group of
-    one value normalises to 0 whatever the input."""
+    `channels` that is <= `groups` and leaves each group at least
+    `min_values` values per example (`values_per_channel` is the product
+    of the other non-batch dimensions; 1 for a `(batch, channels)` input);
+    if none does, 1 (every channel in one group: the most values there
+    are); 0 if that is a single value, which normalises to 0 whatever the
+    input."""
+    if channels * values_per_channel < 2:
+        return 0
     for candidate in range(min(groups, channels), 0, -1):
         if channels % candidate:
             continue
-        if (channels // candidate) * values_per_channel >= 2:
+        if (channels // candidate) * values_per_channel >= min_values:
             return candidate
-    return 0
+    return 1
 
 
-def _groupnorm_for(layer: Any, keras: Any, groups: int) -> tuple:
+def _groupnorm_for(
+    layer: Any, keras: Any, groups: int, min_values: int
+) -> tuple:
     """A GroupNormalization equivalent of BatchNormalization `layer` (not
     built) and what was chosen: (layer, report row)."""
     shape = _input_shape(layer)
@@ -478,10 +494,13 @@ def _groupnorm_for(layer: Any, keras: Any, groups: int) -> tuple:
     axis = axis % rank
     channels = shape[axis]
     others = [d for i, d in enumerate(shape) if i not in (0, axis)]
+    # Unknown spatial sizes (None) are taken as large enough.
     values_per_channel = (
-        math.prod(others) if all(d is not None for d in others) else 2
+        math.prod(others) if all(d is not None for d in others) else min_values
     )
-    chosen = choose_groups(int(channels), groups, values_per_channel)
+    chosen = choose_groups(
+        int(channels), groups, values_per_channel, min_values
+    )
     if chosen == 0:
         raise ValueError(
             f"BatchNormalization layer {layer.name!r} sees one value per "
@@ -546,7 +565,9 @@ def _copy_weights(source: Any, target: Any) -> None:
     target.set_weights(source.get_weights())
 
 
-def _convert(model: Any, keras: Any, groups: int, report: list) -> Any:
+def _convert(
+    model: Any, keras: Any, groups: int, min_values: int, report: list
+) -> Any:
     mapping: dict = {}  # id(original layer) -> (original, copy)
     replacements: set = set()  # ids of the new GroupNormalization layers
 
@@ -554,11 +575,11 @@ def _convert(model: Any, keras: Any, groups: int, report: list) -> Any:
         if id(layer) in mapping:  # a shared layer stays shared
             return mapping[id(layer)][1]
         if is_batchnorm(layer):
-            new, row = _groupnorm_for(layer, keras, groups)
+            new, row = _groupnorm_for(layer, keras, groups, min_values)
             report.append(row)
             replacements.add(id(new))
         elif _is_graph_model(layer, keras):
-            new = _convert(layer, keras, groups, report)
+            new = _convert(layer, keras, groups, min_values, report)
         else:
             inner = batchnorm_layers(layer)
             if inner:
@@ -598,7 +619,12 @@ def _convert(model: Any, keras: Any, groups: int, report: list) -> Any:
     return clone
 
 
-def convert_batchnorm_to_groupnorm(model: Any, *, groups: int = 32) -> Any:
+def convert_batchnorm_to_groupnorm(
+    model: Any,
+    *,
+    groups: int = 32,
+    min_values_per_group: int = MIN_VALUES_PER_GROUP,
+) -> Any:
     """Return a copy of `model` with every BatchNormalization layer replaced
     by a GroupNormalization layer.
 
@@ -614,9 +640,16 @@ def convert_batchnorm_to_groupnorm(model: Any, *, groups: int = 32) -> Any:
     `center`/`scale` (with `gamma` and `beta` copied), initializers,
     regularizers, constraints, `trainable` flag and dtype policy, and
     `groups` = the largest divisor of the layer's channel count that is
-    `<= groups` and leaves more than one value per group and example (a
-    group of one value normalises to 0; e.g. a `(batch, C)` input gets at
-    most `C // 2` groups). The moving mean and variance are dropped:
+    `<= groups` and leaves each group at least `min_values_per_group`
+    values per example (channels per group times the other non-batch
+    dimensions: a `(batch, 4, 4, 64)` input gets 32 groups of 2 x 16
+    values, a `(batch, 1, 1, 56)` one 2 groups of 28 x 1 with the default
+    16), or one group where no divisor does (with a UserWarning). Groups
+    of few values keep little of their input (2 values normalise to -1
+    and +1): with `groups=32` on every layer, MobileNetV2 0.35 at 32 x 32
+    (whose last layers see 1 x 1 and 2 x 2 maps) stayed at chance. A
+    layer that sees one value per example raises a ValueError. The moving
+    mean and variance are dropped:
     GroupNormalization has none, and it computes at inference what it
     computes in training. Every other layer is a fresh copy with its
     weights copied exactly. The groups chosen are logged (logger
@@ -638,6 +671,10 @@ def convert_batchnorm_to_groupnorm(model: Any, *, groups: int = 32) -> Any:
         model: a built Keras 3 or tf_keras Sequential or functional model.
         groups: int >= 1 (default 32, the paper's): the most groups per
             layer.
+        min_values_per_group: int >= 2 (default 16): the fewest values per
+            group and example a layer's choice keeps where its channels
+            allow; 2 gives the largest divisor `<= groups` (the paper's
+            rule) everywhere a group holds more than one value.
 
     Returns:
         A new model of the same flavour.
@@ -652,6 +689,9 @@ def convert_batchnorm_to_groupnorm(model: Any, *, groups: int = 32) -> Any:
     """
     keras = _keras_for(model)
     groups = _check_groups(groups)
+    min_values = check_int(
+        min_values_per_group, "min_values_per_group", minimum=2
+    )
     if not _is_graph_model(model, keras):
         raise ValueError(
             "Argument `model` must be a Sequential or functional Keras "
@@ -668,21 +708,20 @@ def convert_batchnorm_to_groupnorm(model: Any, *, groups: int = 32) -> Any:
         )
     _layers_or_warn(model, "convert_batchnorm_to_groupnorm")
     report: list = []
-    converted = _convert(model, keras, groups, report)
+    converted = _convert(model, keras, groups, min_values, report)
     few = [
         f"{row['layer']} ({row['values_per_group']})"
         for row in report
         if row["values_per_group"] is not None
-        and row["values_per_group"] < FEW_VALUES_PER_GROUP
+        and row["values_per_group"] < min_values
     ]
     if few:
         warnings.warn(
             "convert_batchnorm_to_groupnorm: these GroupNormalization "
-            f"layers normalise fewer than {FEW_VALUES_PER_GROUP} values per "
-            f"group and example: {', '.join(few)}. Their output keeps "
-            "little of the input's scale; a smaller `groups` (1: layer "
-            "normalization) usually suits layers with few channels and no "
-            "spatial dimensions.",
+            f"layers normalise fewer than {min_values} values per group and "
+            f"example even as one group: {', '.join(few)}. Their output "
+            "keeps little of the input; leave such layers out (freeze "
+            "them) or normalise them another way.",
             UserWarning,
             stacklevel=2,
         )

@@ -19,7 +19,10 @@ from keras_mgpu.normalization import (
     synchronize_batchnorm,
 )
 from keras_mgpu.normalization._find import choice_of, mark_choice
-from keras_mgpu.normalization.conversions import choose_groups
+from keras_mgpu.normalization.conversions import (
+    MIN_VALUES_PER_GROUP,
+    choose_groups,
+)
 
 keras = _flavour.keras
 tf = _flavour.tf
@@ -66,14 +69,22 @@ def _randomise_bn(model: keras.Model) -> None:
 # ----------------------------------------------------------------------
 # convert_batchnorm_to_groupnorm
 # ----------------------------------------------------------------------
-def test_groups_is_the_largest_divisor_leaving_more_than_one_value():
+def test_groups_is_the_largest_divisor_leaving_enough_values():
+    assert MIN_VALUES_PER_GROUP == 16
     assert choose_groups(64, 32, values_per_channel=36) == 32
     assert choose_groups(48, 32, values_per_channel=36) == 24
     assert choose_groups(16, 32, values_per_channel=36) == 16
     assert choose_groups(7, 4, values_per_channel=9) == 1
-    # (batch, C): a group of one channel would hold one value.
-    assert choose_groups(12, 32, values_per_channel=1) == 6
+    # MobileNetV2 0.35 at 32x32: 56 channels on 2x2 and on 1x1 maps (the
+    # paper's rule gave 28 groups of 8 and of 2 values).
+    assert choose_groups(56, 32, values_per_channel=4) == 14
+    assert choose_groups(56, 32, values_per_channel=1) == 2
+    # (batch, C) with fewer than 16 channels: one group of them all.
+    assert choose_groups(12, 32, values_per_channel=1) == 1
     assert choose_groups(1, 32, values_per_channel=1) == 0
+    # min_values=2: the paper's largest divisor, a group never one value.
+    assert choose_groups(56, 32, values_per_channel=1, min_values=2) == 28
+    assert choose_groups(12, 32, values_per_channel=1, min_values=2) == 6
 
 
 def test_convert_replaces_every_batchnorm_and_copies_the_rest():
@@ -148,7 +159,7 @@ def test_sequential_model_and_shared_layers_convert():
     h = keras.layers.BatchNormalization(name="bn")(shared(inputs))
     outputs = shared(h)
     model = keras.Model(inputs, outputs)
-    with pytest.warns(UserWarning, match="fewer than 8 values"):
+    with pytest.warns(UserWarning, match="fewer than 16 values"):
         converted = convert_batchnorm_to_groupnorm(model, groups=2)
     dense = [
         layer
@@ -188,8 +199,20 @@ def test_mobilenet_v2_converts_and_runs():
 def test_few_values_per_group_warns_and_one_value_raises():
     inputs = keras.Input((12,))
     outputs = keras.layers.BatchNormalization(name="bn12")(inputs)
-    with pytest.warns(UserWarning, match=r"fewer than 8 values.*bn12 \(2\)"):
-        convert_batchnorm_to_groupnorm(keras.Model(inputs, outputs))
+    model = keras.Model(inputs, outputs)
+    with pytest.warns(UserWarning, match=r"fewer than 16 values.*bn12 \(12\)"):
+        converted = convert_batchnorm_to_groupnorm(model)
+    assert converted.get_layer("bn12").groups == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        converted = convert_batchnorm_to_groupnorm(
+            model, groups=6, min_values_per_group=4
+        )
+        assert converted.get_layer("bn12").groups == 3  # 4 values each
+        converted = convert_batchnorm_to_groupnorm(
+            model, min_values_per_group=2
+        )
+        assert converted.get_layer("bn12").groups == 6  # the paper's rule
     inputs = keras.Input((1,))
     outputs = keras.layers.BatchNormalization(name="bn1")(inputs)
     with pytest.raises(ValueError, match="'bn1' sees one value per example"):
@@ -244,6 +267,20 @@ def test_convert_rejects_what_it_cannot_rebuild():
 def test_bad_groups(groups, error, match):
     with pytest.raises(error, match=match):
         convert_batchnorm_to_groupnorm(_conv_net(False), groups=groups)
+
+
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (1, ValueError, r"`min_values_per_group` must be an integer >= 2"),
+        (None, TypeError, r"min_values_per_group=None"),
+    ],
+)
+def test_bad_min_values_per_group(value, error, match):
+    with pytest.raises(error, match=match):
+        convert_batchnorm_to_groupnorm(
+            _conv_net(False), min_values_per_group=value
+        )
 
 
 @pytest.mark.parametrize(
