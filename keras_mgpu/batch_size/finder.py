@@ -330,7 +330,13 @@ def _search_on_device(
     probe = probe_module.StepProbe(blueprint, samples, device, reader)
     probe.open()
     try:
-        return search_batch_size(probe.measure, *search_arguments)
+        return search_batch_size(
+            probe.measure,
+            *search_arguments,
+            confirm=lambda batch: probe.measure(
+                batch, probe_module.CONFIRM_STEPS
+            ),
+        )
     finally:
         probe.close()
 

@@ -15,6 +15,13 @@ bracket's outer quarters), or is their midpoint when the last two steps
 fell on the same side: the allocator's peaks rise in steps and plateaus,
 where interpolation alone creeps towards the answer. It stops when the
 bracket is one resolution step wide (~3%).
+
+A step's peak is not one figure: with parallel ops the order in which
+buffers are freed, and so how the allocator's chunks are split, varies
+from step to step, and the peaks of one batch size spread over ~15%. The
+search keeps the largest batch whose few steps happened to peak low, so
+its answer is re-measured over a longer run (`confirm`), and stepped down
+where that run peaks above the budget.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ MAX_GROWTH = 8
 DEFAULT_MAX_TRIALS = 16
 # The reported line is fitted to the steps at batches >= answer / FIT_RANGE.
 FIT_RANGE = 8
+# At most this many answers are confirmed (each failure steps down once).
+CONFIRMATIONS = 3
 
 
 class OutOfMemory(Exception):
@@ -106,13 +115,15 @@ class Measurement:
 
     `peak_mb` is None when the step ran out of memory. `predicted_mb` is
     what the search's line predicted for this batch before it was measured
-    (None for the first two probes).
+    (None for the first two probes). `confirmation`: measured over the
+    longer run that confirms an answer.
     """
 
     batch_size: int
     peak_mb: float | None
     seconds: float | None = None
     predicted_mb: float | None = None
+    confirmation: bool = False
 
     @property
     def out_of_memory(self) -> bool:
@@ -171,15 +182,18 @@ def search_batch_size(
     max_batch_size: int | None = None,
     multiple_of: int = 1,
     max_trials: int = DEFAULT_MAX_TRIALS,
+    confirm: Callable[[int], tuple[float, float]] | None = None,
 ) -> SearchOutcome:
     """The largest multiple of `multiple_of` (up to `max_batch_size`) whose
     measured step peak is at most `budget_mb`.
 
-    `measure(batch)` runs one training step and returns `(peak_mb,
-    seconds)`, or raises `OutOfMemory`. The first two probes are
-    `multiple_of` and twice that; each later one is chosen as described in
-    the module docstring. Raises `BudgetTooSmall` when the first probe does
-    not fit.
+    `measure(batch)` runs a few training steps and returns `(peak_mb,
+    seconds)`, their highest peak, or raises `OutOfMemory`. The first two
+    probes are `multiple_of` and twice that; each later one is chosen as
+    described in the module docstring. Raises `BudgetTooSmall` when the
+    first probe does not fit. `confirm(batch)`, where given, measures a
+    longer run: the answer must fit over it too (see `_Search.confirm`);
+    `max_trials` counts the search's probes, not these.
     """
     search = _Search(measure, budget_mb, max_batch_size, multiple_of)
     first = search.run(multiple_of)
@@ -207,6 +221,11 @@ def search_batch_size(
         _, stop = search.next_candidate()
         limited_by = stop or "trials"
     search.settle()
+    if confirm is not None:
+        search.confirm(confirm)
+        best = search.outcome(limited_by).best
+        if limited_by == "max_batch_size" and best.batch_size < search._cap():
+            limited_by = "memory"  # the cap did not fit over a long run
     return search.outcome(limited_by)
 
 
@@ -221,13 +240,17 @@ class _Search:
         self.measurements: list[Measurement] = []
         self._fit: LinearFit | None = None
 
-    def run(self, batch_size: int) -> Measurement:
+    def run(self, batch_size: int, measure=None) -> Measurement:
+        """Measure `batch_size` with the search's `measure`, or with the
+        given one (a confirmation)."""
         predicted = self._fit.predict(batch_size) if self._fit else None
         try:
-            peak, seconds = self._measure(batch_size)
+            peak, seconds = (measure or self._measure)(batch_size)
         except OutOfMemory:
             peak, seconds = None, None
-        measurement = Measurement(batch_size, peak, seconds, predicted)
+        measurement = Measurement(
+            batch_size, peak, seconds, predicted, measure is not None
+        )
         self.measurements.append(measurement)
         return measurement
 
@@ -384,6 +407,55 @@ class _Search:
             ):
                 return
             self.run(candidate)
+
+    def confirm(self, measure, attempts: int = CONFIRMATIONS) -> None:
+        """Re-measure the answer with `measure` (a longer run), until the
+        answer is a batch that fit over such a run.
+
+        The search's answer is the largest batch whose few steps peaked
+        within the budget: among batches near the budget, the one whose
+        steps happened to peak low. Where the longer run peaks above the
+        budget, that batch no longer counts as fitting, and the batch at
+        which the line, raised by the excess, meets the budget (one
+        resolution step lower still) is measured the same way. At most
+        `attempts` answers are tried; the last answer stands either way.
+        """
+        for _ in range(attempts):
+            best, fit = self._answer()
+            if best.confirmation:
+                return
+            checked = self.run(best.batch_size, measure)
+            if checked.fits(self.budget_mb):
+                continue  # the answer now: the confirmed measurement
+            if not self._fitting():
+                what = (
+                    "ran out of device memory"
+                    if checked.out_of_memory
+                    else f"peaks at {checked.peak_mb:,.1f} MB"
+                )
+                raise BudgetTooSmall(
+                    "one training step at the smallest batch "
+                    f"({checked.batch_size}) {what} over a longer run, "
+                    f"above the budget of {self.budget_mb:,.1f} MB",
+                    checked,
+                )
+            below = self._below_failure(best.batch_size, checked, fit)
+            if below is not None:
+                self.run(below, measure)
+
+    def _below_failure(
+        self, batch_size: int, failed: Measurement, fit: LinearFit
+    ) -> int | None:
+        """The batch to confirm next after `batch_size` did not fit over a
+        longer run: where the line, raised by the excess, reaches the
+        budget, one resolution step lower (None below `multiple_of`)."""
+        step = resolution(batch_size, self.multiple_of)
+        target = batch_size - step
+        if failed.peak_mb is not None and fit.per_sample_mb > 0:
+            excess = failed.peak_mb - self.budget_mb
+            target = min(target, batch_size - excess / fit.per_sample_mb - step)
+        candidate = self._round_down(target)
+        return candidate if candidate >= self.multiple_of else None
 
     def outcome(self, limited_by: str) -> SearchOutcome:
         best, fit = self._answer()

@@ -87,8 +87,8 @@ def _remeasuring_search(remeasured: list):
 
     search = module.search_batch_size
 
-    def search_then_remeasure(measure, *args):
-        outcome = search(measure, *args)
+    def search_then_remeasure(measure, *args, **kwargs):
+        outcome = search(measure, *args, **kwargs)
         best = outcome.best.batch_size
         for batch in (best, round(best * ABOVE)):
             remeasured.append(measure(batch)[0])
