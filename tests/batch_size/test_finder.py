@@ -420,9 +420,11 @@ def test_real_peaks_of_a_cnn_and_an_mlp():
     fitted line's peak at the chosen batch is within 15% of the measured
     one, and the chosen batch is the largest whose measured peak stays
     under the budget less the safety margin, within one probe step (~3%;
-    a few where the fitted line's peak had to be kept within it too): it
-    fits, the bracket's upper end does not, and nothing above it was seen
-    to fit. Re-measured
+    a few where the fitted line's peak had to be kept within it too, or
+    where the answer's confirmation over a longer run peaked above the
+    budget and it stepped down): it fits over the longer run, the
+    bracket's upper end does not, and nothing above it was seen to fit.
+    Re-measured
     with the same copy after the search, the answer's peak stays within
     the ~15% the allocator's figures drift with the process's history, and
     a batch 25% larger does not fit."""
@@ -445,9 +447,16 @@ def test_real_peaks_of_a_cnn_and_an_mlp():
         peaks = dict((b, p) for b, p in r["measurements"])
         assert peaks[r["batch_size"]] == r["measured_peak_mb"]
         assert peaks[r["upper_bound"]] > budget, (name, r)
+        # The answer was confirmed over a longer run; where a confirmation
+        # did not fit, the answer stepped down below it by the excess.
+        confirmed = dict(r["confirmations"])
+        assert confirmed[r["batch_size"]] == r["measured_peak_mb"], r
+        stepped_down = any(p > budget for p in confirmed.values())
         # One probe step (~3%), or a few where the answer stepped down to
         # keep the fitted line's peak within the budget too.
-        assert r["upper_bound"] - r["batch_size"] <= 4 * r["resolution"], r
+        if not stepped_down:
+            gap = r["upper_bound"] - r["batch_size"]
+            assert gap <= 4 * r["resolution"], r
         assert r["peak_mb"] <= budget, (name, r)
         assert not [
             b for b, p in peaks.items() if r["upper_bound"] < b and p <= budget
