@@ -239,6 +239,7 @@ class _Search:
         self.multiple_of = multiple_of
         self.measurements: list[Measurement] = []
         self._fit: LinearFit | None = None
+        self._confirmed: Measurement | None = None
 
     def run(self, batch_size: int, measure=None) -> Measurement:
         """Measure `batch_size` with the search's `measure`, or with the
@@ -409,24 +410,23 @@ class _Search:
             self.run(candidate)
 
     def confirm(self, measure, attempts: int = CONFIRMATIONS) -> None:
-        """Re-measure the answer with `measure` (a longer run), until the
-        answer is a batch that fit over such a run.
+        """Re-measure the answer with `measure` (a longer run); where it
+        peaks above the budget, step down and measure again, at most
+        `attempts` times in all.
 
         The search's answer is the largest batch whose few steps peaked
         within the budget: among batches near the budget, the one whose
-        steps happened to peak low. Where the longer run peaks above the
-        budget, that batch no longer counts as fitting, and the batch at
-        which the line, raised by the excess, meets the budget (one
-        resolution step lower still) is measured the same way. At most
-        `attempts` answers are tried; the last answer stands either way.
+        steps happened to peak low. Each step down is sized by the excess
+        (see `_below_failure`), never to an older, far smaller
+        measurement. When every attempt peaks above the budget, the
+        answer is the search's largest fitting batch below them all.
         """
+        batch = self._answer()[0].batch_size
         for _ in range(attempts):
-            best, fit = self._answer()
-            if best.confirmation:
-                return
-            checked = self.run(best.batch_size, measure)
+            checked = self.run(batch, measure)
             if checked.fits(self.budget_mb):
-                continue  # the answer now: the confirmed measurement
+                self._confirmed = checked
+                return
             if not self._fitting():
                 what = (
                     "ran out of device memory"
@@ -439,26 +439,50 @@ class _Search:
                     f"above the budget of {self.budget_mb:,.1f} MB",
                     checked,
                 )
-            below = self._below_failure(best.batch_size, checked, fit)
-            if below is not None:
-                self.run(below, measure)
+            batch = self._below_failure(checked)
+            if batch is None:
+                return
 
-    def _below_failure(
-        self, batch_size: int, failed: Measurement, fit: LinearFit
-    ) -> int | None:
-        """The batch to confirm next after `batch_size` did not fit over a
-        longer run: where the line, raised by the excess, reaches the
-        budget, one resolution step lower (None below `multiple_of`)."""
-        step = resolution(batch_size, self.multiple_of)
-        target = batch_size - step
-        if failed.peak_mb is not None and fit.per_sample_mb > 0:
-            excess = failed.peak_mb - self.budget_mb
-            target = min(target, batch_size - excess / fit.per_sample_mb - step)
-        candidate = self._round_down(target)
+    def _below_failure(self, failed: Measurement) -> int | None:
+        """The batch to confirm next after `failed` (a longer run) peaked
+        above the budget: lower by the share of its batch-dependent memory
+        the excess is, taking the fixed part from the reported line but at
+        most half the peak (a line tilted by the allocator's steps must
+        not send the answer far down), and one resolution step more.
+        An out-of-memory run steps down by a quarter. Never below
+        `multiple_of` (None once that failed)."""
+        batch = failed.batch_size
+        step = resolution(batch, self.multiple_of)
+        if failed.peak_mb is None:
+            drop = batch / 4
+        else:
+            peak = failed.peak_mb
+            fixed = self._reported_fit(batch).fixed_mb
+            fixed = min(max(fixed, 0.0), peak / 2)
+            drop = batch * (peak - self.budget_mb) / (peak - fixed)
+        candidate = self._round_down(batch - drop - step)
+        if candidate < self.multiple_of < batch:
+            return self.multiple_of  # the smallest batch, last
         return candidate if candidate >= self.multiple_of else None
 
+    def _confirmed_answer(self) -> tuple[Measurement, LinearFit]:
+        """The confirmed measurement and the reported line there; where
+        neither reported line stays within the budget at it, the line
+        with the reported slope through its measured peak."""
+        best = self._confirmed
+        fits = list(self._reported_fits(best))
+        for fit in fits:
+            if self._within_budget(fit, best):
+                return best, fit
+        slope = max(fits[0].per_sample_mb, 0.0)
+        fixed = max(best.peak_mb - slope * best.batch_size, 0.0)
+        return best, LinearFit(fixed, slope, fits[0].batch_sizes)
+
     def outcome(self, limited_by: str) -> SearchOutcome:
-        best, fit = self._answer()
+        if self._confirmed is not None:
+            best, fit = self._confirmed_answer()
+        else:
+            best, fit = self._answer()
         hi = self._lowest_failure()
         return SearchOutcome(
             best=best,

@@ -76,7 +76,7 @@ def _compiled(name):
 
 def _remeasuring_search(remeasured: list, confirmations: list):
     """The search, followed by a re-measurement with the same copy of its
-    answer and of a batch `ABOVE` times larger.
+    answer and of a batch `ABOVE` times the bracket's upper end.
 
     The allocator counts whole chunks in use, and a request may be served
     by a larger chunk that an earlier, larger step freed: the same step's
@@ -95,7 +95,10 @@ def _remeasuring_search(remeasured: list, confirmations: list):
             if m.confirmation
         )
         best = outcome.best.batch_size
-        for batch in (best, round(best * ABOVE)):
+        # Above the bracket's upper end: where the answer's confirmation
+        # did not fit, the answer stepped down below it, possibly far.
+        top = max(best, outcome.upper_bound or best)
+        for batch in (best, round(top * ABOVE)):
             remeasured.append(measure(batch)[0])
         return outcome
 

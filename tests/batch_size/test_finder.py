@@ -427,7 +427,7 @@ def test_real_peaks_of_a_cnn_and_an_mlp():
     Re-measured
     with the same copy after the search, the answer's peak stays within
     the ~15% the allocator's figures drift with the process's history, and
-    a batch 25% larger does not fit."""
+    a batch 25% above the bracket's upper end does not fit."""
     results = run_in_process(
         "batch_size.probe_bodies:real_peaks",
         timeout=240,

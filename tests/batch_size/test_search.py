@@ -268,3 +268,29 @@ def test_the_smallest_batch_failing_the_longer_run_is_budget_too_small():
             _measure(linear), 20.12, confirm=lambda b: (24.0 + 0.1 * b, 0.0)
         )
     assert info.value.measurement.confirmation
+
+
+def test_a_failed_confirmation_steps_down_by_the_excess_not_further():
+    # The search's steps: 2333 fits, 2500 does not, nothing measured
+    # between 1024 and 2333, and the allocator's plateaus make the line
+    # near the answer nearly flat. Over a longer run 2333 peaks 5% above
+    # the budget: the answer steps down near it (as if at least half the
+    # peak grew with the batch), not far down (as the flat line says).
+    peaks = {1: 20.0, 2: 20.1, 1024: 97.0, 2333: 98.0, 2500: 101.0}
+    search = _Search(lambda b: (peaks[b], 0.0), 100.0, None, 1)
+    for batch in peaks:
+        search.run(batch)
+    confirmed = []
+
+    def confirm(batch):
+        confirmed.append(batch)
+        return 20.0 + 0.0364 * batch, 0.0  # 104.9 MB at 2333
+
+    search.confirm(confirm)
+    outcome = search.outcome("memory")
+    assert confirmed[0] == 2333 and len(confirmed) <= 3
+    assert outcome.best.confirmation
+    assert 2000 < outcome.best.batch_size < 2333
+    assert outcome.best.peak_mb <= 100.0
+    assert outcome.predicted_peak_mb <= 100.0
+    assert len(confirmed) >= 2 and outcome.upper_bound == confirmed[-2]
