@@ -25,20 +25,20 @@ from keras_mgpu.distribute.collectives import gather_rows
 DEFAULT_MEMORY_FRACTION = 0.9
 # The search keeps each probe step's peak, and the answer's confirmation
 # run (`memory_probe.CONFIRM_STEPS`), this fraction below the budget: a
-# training run's step peaks spread above what the probe measured. The
-# peak of one batch size varies from step to step by ~15% on CPU with
-# oneDNN (TensorFlow's BFC allocator hands out a whole free chunk, up to
-# twice the request, unless it can split it in two, so the bytes counted
-# depend on the order in which threads free buffers), it is a little
-# higher in a fresh process than in the probe's (different free chunks),
-# and the longer the run the higher its highest step. Measured with
-# `python benchmarks/bench_find_batch_size.py --spread 3 [--load]` (the
-# wide MLP of issue 19, 148 MB budget, 30 steps of `fit` in a fresh
-# process, 2-core VM, idle and with a CPU-burning process): the highest
-# step peaked up to RATIO_NEW x the probe's measured peak (up to 1.15x,
-# and 1.17x in CI under load, before the answer was confirmed over 12
-# steps); 200 steps of `fit` peaked 3% above 30. 20% covers 1 / 0.8 =
-# 1.25x.
+# training run's step peaks go above what the probe measured. The peak of
+# one batch size varies from step to step by ~15% on CPU with oneDNN
+# (TensorFlow's BFC allocator hands a request a whole free chunk unless it
+# is at least twice the request, so the bytes counted depend on the order
+# in which threads freed buffers), it is often higher in a fresh process
+# than in the probe's (other free chunks), and the longer the run, the
+# higher its highest step (200 steps of `fit`: 4% above the first 30).
+# Measured with `python benchmarks/bench_find_batch_size.py --spread 3
+# [--load]` (the wide MLP of issue 19, 148 MB budget, 30 steps of `fit` at
+# the answer in a fresh process; 2-core VM, idle and beside a CPU-burning
+# process): the highest step peaked up to 1.11x the probe's measured peak
+# (up to 1.15x here and 1.17x in CI under load before the answer was
+# confirmed over 12 steps). 1.11 x 1.04 for a long run, with headroom:
+# 20% covers 1 / 0.8 = 1.25x. See docs/guides/batch-size.md.
 SAFETY_MARGIN = 0.2
 MB = 1024.0 * 1024.0
 _LIMITS = ("memory", "max_batch_size", "trials")
