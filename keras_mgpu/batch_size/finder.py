@@ -112,10 +112,11 @@ class BatchSizeResult:
             f"and optimizer update, run on a copy on {self.device}) needs "
             f"{self.fixed_mb:,.1f} MB + {self.per_sample_mb:,.4g} MB per "
             f"sample (TensorFlow allocator peaks of "
-            f"{len(self.measurements)} probe steps, line fitted near the "
-            f"answer). Within the budget of {self.budget_mb:,.1f} MB "
-            f"({self.budget_source}), less a {self.safety_margin:.0%} "
-            f"margin for the spread of a training run's step peaks "
+            f"{len(self.measurements)} probes of a few steps each, line "
+            f"fitted near the answer). Within the budget of "
+            f"{self.budget_mb:,.1f} MB ({self.budget_source}), less a "
+            f"{self.safety_margin:.0%} margin for the spread of a training "
+            f"run's step peaks "
             f"({self.search_budget_mb:,.1f} MB), the largest batch is "
             f"{self.batch_size:,}: predicted peak {self.peak_mb:,.1f} MB, "
             f"measured {self.measured_peak_mb:,.1f} MB"
@@ -132,7 +133,7 @@ class BatchSizeResult:
                 f"{list(self.worker_batch_sizes)}"
             )
         return text + (
-            f". {len(self.measurements)} probe steps took "
+            f". {len(self.measurements)} probes took "
             f"{self.search_seconds:.1f} s; one step takes "
             f"{1e3 * self.seconds_per_sample:.3g} ms per sample."
         )
@@ -198,7 +199,8 @@ def find_batch_size(
         multiple_of: int >= 1, the batch is a multiple of it (e.g. 8 on
             GPUs with tensor cores).
         strategy: the training strategy; defaults to the model's.
-        max_trials: int >= 3, the most probe steps (default 16).
+        max_trials: int >= 3, the most probes of the search (default 16;
+            the confirmation of its answer comes on top).
         verbose: int, 1 prints `explain()` (on the chief).
 
     Returns:
