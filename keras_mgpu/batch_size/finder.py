@@ -58,25 +58,30 @@ class BatchSizeResult:
             `multiple_of`, at most `max_batch_size`).
         fixed_mb, per_sample_mb: the fitted memory model `peak = fixed_mb +
             per_sample_mb * batch`, the least-squares line through the
-            peaks of the probe steps at batches from 1/8 of `batch_size`
-            up (where it is used; tiny batches are mostly rounding).
+            peaks of the probes at batches from 1/8 of `batch_size` up
+            (where it is used; tiny batches are mostly rounding); where
+            that line is above the budget at the answer, the line with its
+            slope through the answer's measured peak.
         peak_mb: that line's peak at `batch_size`; `measured_peak_mb`: the
-            peak measured there.
+            highest step peak measured there, over the 12 steps that
+            confirmed the answer (`memory_probe.CONFIRM_STEPS`).
         seconds_per_sample: duration of one step at `batch_size`, per sample.
         budget_mb, budget_source: the budget and where it came from.
         upper_bound: the smallest batch measured not to fit (its peak over
-            the budget, or out of memory); None if none was tried.
+            the budget, or out of memory; in the search or in a
+            confirmation); None if none was tried.
         limited_by: "memory", "max_batch_size" or "trials".
         device: the probe device of this process.
-        measurements: `(batch_size, peak_mb)` of every step this process
-            ran, in order; `peak_mb` is None for an out-of-memory error.
+        measurements: `(batch_size, peak_mb)` of every probe this process
+            ran (3 steps, the highest peak; the confirmations 12), in
+            order; `peak_mb` is None for an out-of-memory error.
         worker_batch_sizes: each worker's own answer (one entry without a
             cluster); `batch_size` is their minimum.
         search_seconds: wall time of this process's search.
         safety_margin: the fraction of the budget kept free: every probe
-            step counted as fitting (and `peak_mb`) stays within
-            `budget_mb * (1 - safety_margin)`, for the step-to-step spread
-            of a training run's peaks.
+            counted as fitting (and `peak_mb`) stays within
+            `budget_mb * (1 - safety_margin)`, for how much higher a
+            training run's step peaks go (see `SAFETY_MARGIN`).
     """
 
     batch_size: int

@@ -40,7 +40,7 @@ MAX_GROWTH = 8
 DEFAULT_MAX_TRIALS = 16
 # The reported line is fitted to the steps at batches >= answer / FIT_RANGE.
 FIT_RANGE = 8
-# At most this many answers are confirmed (each failure steps down once).
+# At most this many confirmation runs (each failure steps down once).
 CONFIRMATIONS = 3
 
 
