@@ -17,8 +17,16 @@ TensorFlow's CPU allocator statistics need oneDNN, so this script turns it
 on before TensorFlow starts. Prints one JSON line per case and a line of
 ratios (search time / epoch time).
 
+`--spread N` measures instead what `SAFETY_MARGIN` has to cover, N times:
+`find_batch_size` on the wide MLP of issue 19 (148 MB budget) in a fresh
+process, then `fit` at its answer for `--fit-steps` steps in another fresh
+process; one JSON line per repeat with the probe's measured peak, the fit's
+per-step peaks (min, median, max over the first 12 and over all steps) and
+their ratio to the probe's. `--load` runs a CPU-burning process meanwhile.
+
     python benchmarks/bench_find_batch_size.py
     python benchmarks/bench_find_batch_size.py --repeats 3 --budget-mb 6
+    python benchmarks/bench_find_batch_size.py --spread 3 [--load]
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -99,6 +108,66 @@ def epochs(demo, config, strategy, data, setup, count):
     return timer.seconds
 
 
+def _in_fresh_process(call: str, env: dict) -> dict:
+    """`call` (an expression on `tests/batch_size/probe_bodies.py`) in a
+    fresh Python process: its JSON result."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "import json, sys; sys.path[:0] = [{!r}, {!r}]\n"
+        "from batch_size import probe_bodies as bodies\n"
+        "print('RESULT ' + json.dumps(bodies.{}))"
+    ).format(root, os.path.join(root, "tests"), call)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT ") :])
+
+
+def spread(repeats: int, fit_steps: int, load: bool) -> None:
+    """The probe's measured peak against a fresh `fit`'s step peaks."""
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", TF_CPP_MIN_LOG_LEVEL="3")
+    burner = None
+    if load:
+        burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            found = _in_fresh_process("find_for_fresh_fit(0)", env)
+            search_s = time.perf_counter() - start
+            batch = found["batch_size"]
+            fit = _in_fresh_process(
+                f"fresh_fit_peaks(0, {batch}, {fit_steps})", env
+            )["peaks"]
+            probe = found["measured_peak_mb"]
+            steady = fit[1:]  # the first step creates the optimizer state
+            row = {
+                "load": load,
+                "batch_size": batch,
+                "budget_mb": found["budget_mb"],
+                "search_budget_mb": round(found["search_budget_mb"], 1),
+                "probe_peak_mb": round(probe, 1),
+                "fit_min_mb": round(min(steady), 1),
+                "fit_median_mb": round(statistics.median(steady), 1),
+                "fit_max_12_mb": round(max(fit[:12]), 1),
+                "fit_max_mb": round(max(fit), 1),
+                "ratio_12": round(max(fit[:12]) / probe, 3),
+                "ratio": round(max(fit) / probe, 3),
+                "search_s": round(search_s, 1),
+                "loadavg": round(os.getloadavg()[0], 1),
+            }
+            print(json.dumps(row), flush=True)
+    finally:
+        if burner is not None:
+            burner.kill()
+            burner.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--global-batch", type=int, default=512)
@@ -106,7 +175,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--spread", type=int, default=0, metavar="REPEATS")
+    parser.add_argument("--fit-steps", type=int, default=30)
+    parser.add_argument("--load", action="store_true")
     args = parser.parse_args()
+    if args.spread:
+        spread(args.spread, args.fit_steps, args.load)
+        return
 
     from keras_mgpu import demo
 

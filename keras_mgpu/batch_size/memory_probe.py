@@ -27,12 +27,15 @@ from keras_mgpu.batch_size.samples import SampleBatches
 from keras_mgpu.batch_size.search import OutOfMemory
 from keras_mgpu.monitoring.tf_memory import TFMemoryReader
 
-# Each batch size runs this many steps of `fit` and the highest per-step
-# peak is kept: the first step (which traces) and the steady state, where
-# `fit` holds the next batch while a step runs; on CPU the order in which
-# threads free buffers also varies, and a step can peak ~10% lower than
-# usual now and then.
+# Each batch size the search tries runs this many steps of `fit` and the
+# highest per-step peak is kept: the first step (which traces) and the
+# steady state, where `fit` holds the next batch while a step runs.
 STEPS = 3
+# The answer is confirmed over a longer run of `fit` (see
+# `search._Search.confirm`): with parallel ops the order in which threads
+# free buffers varies, and with it the peak, from step to step (over ~15%
+# for an MLP on CPU), so a few steps can all peak low.
+CONFIRM_STEPS = 12
 
 
 class AllocatorStatsUnavailable(RuntimeError):
@@ -211,7 +214,13 @@ class StepProbe:
         self._strategy = None
         gc.collect()
 
-    def measure(self, batch_size: int) -> tuple[float, float]:
+    def measure(
+        self, batch_size: int, steps: int | None = None
+    ) -> tuple[float, float]:
+        """`(peak_mb, seconds)` of `steps` (default `STEPS`) steps of `fit`
+        at `batch_size`: the highest peak above the baseline, and the last
+        step's duration."""
+        steps = STEPS if steps is None else steps
         x, y, sample_weight = self.samples.batch(batch_size)
         try:
             with self._strategy.scope(), tf.device(self._device_name):
@@ -223,7 +232,7 @@ class StepProbe:
                     for part in (x, y, sample_weight)
                 )
                 del x, y, sample_weight
-                steps = self._run_steps(batch_size, inputs)
+                peaks = self._run_steps(batch_size, inputs, steps)
         except tf.errors.ResourceExhaustedError as exc:
             raise OutOfMemory(str(exc).split("\n")[0]) from exc
         except (ValueError, TypeError, tf.errors.InvalidArgumentError) as exc:
@@ -235,11 +244,11 @@ class StepProbe:
                 f"{type(exc).__name__}: {_first_line(exc)} (a tf.data."
                 "Dataset must yield batches, as model.fit takes)"
             ) from exc
-        peak = max(p for p, _ in steps) - self.baseline_mb
-        return peak, steps[-1][1]
+        peak = max(p for p, _ in peaks) - self.baseline_mb
+        return peak, peaks[-1][1]
 
-    def _run_steps(self, batch_size: int, inputs: tuple) -> list:
-        """`STEPS` steps of `fit` on the batch, repeated: `(peak_mb,
+    def _run_steps(self, batch_size: int, inputs: tuple, count: int) -> list:
+        """`count` steps of `fit` on the batch, repeated: `(peak_mb,
         seconds)` of each, the peak as the allocator reads it (baseline
         included).
 
@@ -250,7 +259,7 @@ class StepProbe:
         keras = self.blueprint._keras
         reader, device = self.reader, self.device
         parts = tuple(part for part in inputs if part is not None)
-        dataset = tf.data.Dataset.from_tensors(parts).repeat(STEPS)
+        dataset = tf.data.Dataset.from_tensors(parts).repeat(count)
         steps: list = []
 
         class StepPeaks(keras.callbacks.Callback):

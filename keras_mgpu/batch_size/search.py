@@ -15,6 +15,13 @@ bracket's outer quarters), or is their midpoint when the last two steps
 fell on the same side: the allocator's peaks rise in steps and plateaus,
 where interpolation alone creeps towards the answer. It stops when the
 bracket is one resolution step wide (~3%).
+
+A step's peak is not one figure: with parallel ops the order in which
+buffers are freed, and so how the allocator's chunks are split, varies
+from step to step, and the peaks of one batch size spread over ~15%. The
+search keeps the largest batch whose few steps happened to peak low, so
+its answer is re-measured over a longer run (`confirm`), and stepped down
+where that run peaks above the budget.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ MAX_GROWTH = 8
 DEFAULT_MAX_TRIALS = 16
 # The reported line is fitted to the steps at batches >= answer / FIT_RANGE.
 FIT_RANGE = 8
+# At most this many confirmation runs (each failure steps down once).
+CONFIRMATIONS = 3
 
 
 class OutOfMemory(Exception):
@@ -106,13 +115,15 @@ class Measurement:
 
     `peak_mb` is None when the step ran out of memory. `predicted_mb` is
     what the search's line predicted for this batch before it was measured
-    (None for the first two probes).
+    (None for the first two probes). `confirmation`: measured over the
+    longer run that confirms an answer.
     """
 
     batch_size: int
     peak_mb: float | None
     seconds: float | None = None
     predicted_mb: float | None = None
+    confirmation: bool = False
 
     @property
     def out_of_memory(self) -> bool:
@@ -171,15 +182,18 @@ def search_batch_size(
     max_batch_size: int | None = None,
     multiple_of: int = 1,
     max_trials: int = DEFAULT_MAX_TRIALS,
+    confirm: Callable[[int], tuple[float, float]] | None = None,
 ) -> SearchOutcome:
     """The largest multiple of `multiple_of` (up to `max_batch_size`) whose
     measured step peak is at most `budget_mb`.
 
-    `measure(batch)` runs one training step and returns `(peak_mb,
-    seconds)`, or raises `OutOfMemory`. The first two probes are
-    `multiple_of` and twice that; each later one is chosen as described in
-    the module docstring. Raises `BudgetTooSmall` when the first probe does
-    not fit.
+    `measure(batch)` runs a few training steps and returns `(peak_mb,
+    seconds)`, their highest peak, or raises `OutOfMemory`. The first two
+    probes are `multiple_of` and twice that; each later one is chosen as
+    described in the module docstring. Raises `BudgetTooSmall` when the
+    first probe does not fit. `confirm(batch)`, where given, measures a
+    longer run: the answer must fit over it too (see `_Search.confirm`);
+    `max_trials` counts the search's probes, not these.
     """
     search = _Search(measure, budget_mb, max_batch_size, multiple_of)
     first = search.run(multiple_of)
@@ -207,6 +221,11 @@ def search_batch_size(
         _, stop = search.next_candidate()
         limited_by = stop or "trials"
     search.settle()
+    if confirm is not None:
+        search.confirm(confirm)
+        best = search.outcome(limited_by).best
+        if limited_by == "max_batch_size" and best.batch_size < search._cap():
+            limited_by = "memory"  # the cap did not fit over a long run
     return search.outcome(limited_by)
 
 
@@ -220,14 +239,19 @@ class _Search:
         self.multiple_of = multiple_of
         self.measurements: list[Measurement] = []
         self._fit: LinearFit | None = None
+        self._confirmed: Measurement | None = None
 
-    def run(self, batch_size: int) -> Measurement:
+    def run(self, batch_size: int, measure=None) -> Measurement:
+        """Measure `batch_size` with the search's `measure`, or with the
+        given one (a confirmation)."""
         predicted = self._fit.predict(batch_size) if self._fit else None
         try:
-            peak, seconds = self._measure(batch_size)
+            peak, seconds = (measure or self._measure)(batch_size)
         except OutOfMemory:
             peak, seconds = None, None
-        measurement = Measurement(batch_size, peak, seconds, predicted)
+        measurement = Measurement(
+            batch_size, peak, seconds, predicted, measure is not None
+        )
         self.measurements.append(measurement)
         return measurement
 
@@ -385,8 +409,80 @@ class _Search:
                 return
             self.run(candidate)
 
+    def confirm(self, measure, attempts: int = CONFIRMATIONS) -> None:
+        """Re-measure the answer with `measure` (a longer run); where it
+        peaks above the budget, step down and measure again, at most
+        `attempts` times in all.
+
+        The search's answer is the largest batch whose few steps peaked
+        within the budget: among batches near the budget, the one whose
+        steps happened to peak low. Each step down is sized by the excess
+        (see `_below_failure`), never to an older, far smaller
+        measurement. When every attempt peaks above the budget, the
+        answer is the search's largest fitting batch below them all.
+        """
+        batch = self._answer()[0].batch_size
+        for _ in range(attempts):
+            checked = self.run(batch, measure)
+            if checked.fits(self.budget_mb):
+                self._confirmed = checked
+                return
+            if not self._fitting():
+                what = (
+                    "ran out of device memory"
+                    if checked.out_of_memory
+                    else f"peaks at {checked.peak_mb:,.1f} MB"
+                )
+                raise BudgetTooSmall(
+                    "one training step at the smallest batch "
+                    f"({checked.batch_size}) {what} over a longer run, "
+                    f"above the budget of {self.budget_mb:,.1f} MB",
+                    checked,
+                )
+            batch = self._below_failure(checked)
+            if batch is None:
+                return
+
+    def _below_failure(self, failed: Measurement) -> int | None:
+        """The batch to confirm next after `failed` (a longer run) peaked
+        above the budget: lower by the share of its batch-dependent memory
+        the excess is, taking the fixed part from the reported line but at
+        most half the peak (a line tilted by the allocator's steps must
+        not send the answer far down), and one resolution step more.
+        An out-of-memory run steps down by a quarter. Never below
+        `multiple_of` (None once that failed)."""
+        batch = failed.batch_size
+        step = resolution(batch, self.multiple_of)
+        if failed.peak_mb is None:
+            drop = batch / 4
+        else:
+            peak = failed.peak_mb
+            fixed = self._reported_fit(batch).fixed_mb
+            fixed = min(max(fixed, 0.0), peak / 2)
+            drop = batch * (peak - self.budget_mb) / (peak - fixed)
+        candidate = self._round_down(batch - drop - step)
+        if candidate < self.multiple_of < batch:
+            return self.multiple_of  # the smallest batch, last
+        return candidate if candidate >= self.multiple_of else None
+
+    def _confirmed_answer(self) -> tuple[Measurement, LinearFit]:
+        """The confirmed measurement and the reported line there; where
+        neither reported line stays within the budget at it, the line
+        with the reported slope through its measured peak."""
+        best = self._confirmed
+        fits = list(self._reported_fits(best))
+        for fit in fits:
+            if self._within_budget(fit, best):
+                return best, fit
+        slope = max(fits[0].per_sample_mb, 0.0)
+        fixed = max(best.peak_mb - slope * best.batch_size, 0.0)
+        return best, LinearFit(fixed, slope, fits[0].batch_sizes)
+
     def outcome(self, limited_by: str) -> SearchOutcome:
-        best, fit = self._answer()
+        if self._confirmed is not None:
+            best, fit = self._confirmed_answer()
+        else:
+            best, fit = self._answer()
         hi = self._lowest_failure()
         return SearchOutcome(
             best=best,

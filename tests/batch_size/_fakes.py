@@ -9,12 +9,15 @@ import pytest
 
 from keras_mgpu._flavour import tf
 from keras_mgpu.batch_size import memory_probe
+from keras_mgpu.batch_size.finder import SAFETY_MARGIN
 
 
 class FakeAllocator:
-    """`peak = fixed_mb + per_sample_mb * batch` of the last step; a step
-    above `oom_above` raises TensorFlow's out-of-memory error (as a GPU
-    does when fragmentation leaves less than the budget says)."""
+    """`peak = fixed_mb + per_sample_mb * batch` of the last step, plus
+    `long_run_mb` in a run of more than `memory_probe.STEPS` steps (a
+    training run's spread of step peaks); a step above `oom_above` raises
+    TensorFlow's out-of-memory error (as a GPU does when fragmentation
+    leaves less than the budget says)."""
 
     def __init__(
         self,
@@ -23,19 +26,24 @@ class FakeAllocator:
         oom_above: int | None = None,
         capacity_mb: float | None = None,
         stats: bool = True,
+        long_run_mb: float = 0.0,
     ) -> None:
         self.fixed_mb = fixed_mb
         self.per_sample_mb = per_sample_mb
         self.oom_above = oom_above
         self.capacity = capacity_mb
         self.stats = stats
+        self.long_run_mb = long_run_mb
         self.batch = 0
+        self.count = 0
         self.steps: list[int] = []
+        self.step_counts: list[int] = []
         self.probe_strategies: list = []
         self.probe_optimizers: list = []
 
     def peak(self, batch: int) -> float:
-        return self.fixed_mb + self.per_sample_mb * batch
+        extra = self.long_run_mb if self.count > memory_probe.STEPS else 0.0
+        return self.fixed_mb + self.per_sample_mb * batch + extra
 
     def read(self, device: str):
         if not self.stats:
@@ -49,6 +57,27 @@ class FakeAllocator:
         return self.capacity
 
 
+def largest_fitting(
+    budget_mb: float,
+    multiple_of: int = 1,
+    fixed_mb: float = 10.0,
+    per_sample_mb: float = 0.5,
+) -> int:
+    """The largest multiple of `multiple_of` whose fake peak `fixed_mb +
+    per_sample_mb * batch` fits `budget_mb` less `SAFETY_MARGIN`: the
+    search's answer on the fake's exact line (tests derive their figures
+    from it, so a different margin changes no verdict)."""
+    room = budget_mb * (1 - SAFETY_MARGIN) - fixed_mb
+    batch = int(room / per_sample_mb + 1e-9)
+    return batch - batch % multiple_of
+
+
+def budget_for(batch_size: int, fixed_mb: float = 10.0) -> float:
+    """A budget whose search budget (less `SAFETY_MARGIN`) holds the fake's
+    peak at `batch_size` but not at `batch_size + 1` (0.1 MB to spare)."""
+    return (fixed_mb + 0.5 * batch_size + 0.2) / (1 - SAFETY_MARGIN)
+
+
 @pytest.fixture
 def fake_allocator(monkeypatch):
     """Install a `FakeAllocator` (returned; change its fields freely)."""
@@ -56,16 +85,17 @@ def fake_allocator(monkeypatch):
     monkeypatch.setattr(memory_probe, "memory_reader", lambda: fake)
     real_steps = memory_probe.StepProbe._run_steps
 
-    def steps(self, batch_size, inputs):
-        fake.batch = batch_size
+    def steps(self, batch_size, inputs, count):
+        fake.batch, fake.count = batch_size, count
         fake.steps.append(batch_size)
+        fake.step_counts.append(count)
         fake.probe_strategies.append(self.model.distribute_strategy)
         fake.probe_optimizers.append(self.model.optimizer)
         if fake.oom_above is not None and batch_size > fake.oom_above:
             raise tf.errors.ResourceExhaustedError(
                 None, None, "OOM when allocating tensor (fake)"
             )
-        return real_steps(self, batch_size, inputs)
+        return real_steps(self, batch_size, inputs, count)
 
     monkeypatch.setattr(memory_probe.StepProbe, "_run_steps", steps)
     return fake

@@ -74,9 +74,9 @@ def _compiled(name):
     return model
 
 
-def _remeasuring_search(remeasured: list):
+def _remeasuring_search(remeasured: list, confirmations: list):
     """The search, followed by a re-measurement with the same copy of its
-    answer and of a batch `ABOVE` times larger.
+    answer and of a batch `ABOVE` times the bracket's upper end.
 
     The allocator counts whole chunks in use, and a request may be served
     by a larger chunk that an earlier, larger step freed: the same step's
@@ -87,10 +87,18 @@ def _remeasuring_search(remeasured: list):
 
     search = module.search_batch_size
 
-    def search_then_remeasure(measure, *args):
-        outcome = search(measure, *args)
+    def search_then_remeasure(measure, *args, **kwargs):
+        outcome = search(measure, *args, **kwargs)
+        confirmations.extend(
+            (m.batch_size, m.peak_mb)
+            for m in outcome.measurements
+            if m.confirmation
+        )
         best = outcome.best.batch_size
-        for batch in (best, round(best * ABOVE)):
+        # Above the bracket's upper end: where the answer's confirmation
+        # did not fit, the answer stepped down below it, possibly far.
+        top = max(best, outcome.upper_bound or best)
+        for batch in (best, round(top * ABOVE)):
             remeasured.append(measure(batch)[0])
         return outcome
 
@@ -110,7 +118,8 @@ def real_peaks(task_index: int) -> dict:
     for name, budget in REAL_PEAK_BUDGETS.items():
         model, data = _compiled(name), _data(name)
         remeasured: list = []
-        search = _remeasuring_search(remeasured)
+        confirmations: list = []
+        search = _remeasuring_search(remeasured, confirmations)
         try:
             r = find_batch_size(model, data, memory_budget_mb=budget)
         finally:
@@ -129,6 +138,7 @@ def real_peaks(task_index: int) -> dict:
             "measurements": r.measurements,
             "seconds": r.search_seconds,
             "remeasured": remeasured,
+            "confirmations": confirmations,
         }
     return results
 
@@ -242,9 +252,11 @@ def find_for_fresh_fit(task_index: int) -> dict:
     }
 
 
-def fresh_fit_peaks(task_index: int, batch_size: int) -> dict:
+def fresh_fit_peaks(
+    task_index: int, batch_size: int, steps: int = FRESH_STEPS
+) -> dict:
     """`fit` of the wide MLP at `batch_size` in this fresh process: the
-    allocator peak of each of `FRESH_STEPS` steps (the first, which traces,
+    allocator peak of each of `steps` steps (the first, which traces,
     included), above what the process held before the model existed."""
     import tensorflow as tf
 
@@ -266,7 +278,5 @@ def fresh_fit_peaks(task_index: int, batch_size: int) -> dict:
             float(logs["loss"])  # the step has finished
             peaks.append(peak_mb() - base)
 
-    model.fit(
-        dataset.repeat(FRESH_STEPS), epochs=1, verbose=0, callbacks=[Peaks()]
-    )
+    model.fit(dataset.repeat(steps), epochs=1, verbose=0, callbacks=[Peaks()])
     return {"peaks": peaks}

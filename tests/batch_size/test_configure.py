@@ -22,9 +22,9 @@ fake_allocator = _fakes.fake_allocator  # the fixture
 GLOBAL_BATCH = 48
 UPDATES = 4
 X, Y = regression_data(GLOBAL_BATCH * UPDATES)
-# 10 + 0.5 b <= 14.2 MB (the budget less find_batch_size's 10% safety
-# margin): micro-batches of at most 8 fit.
-BUDGET_FOR_8 = 14.2 / 0.9
+# 10 + 0.5 b <= 14.2 MB (the budget less find_batch_size's safety margin):
+# micro-batches of at most 8 fit.
+BUDGET_FOR_8 = _fakes.budget_for(8)
 
 
 def _compiled(strategy, optimizer_name):

@@ -29,10 +29,17 @@ def test_workers_agree_on_the_smallest_answer():
     for index, result in enumerate(results):
         assert result["device"] == "CPU:0"
         budget = WORKER_BUDGETS_MB[index] * (1 - SAFETY_MARGIN)
+        measured = result["own_measurements"]
+        # Below every batch that did not fit (the answer's confirmation
+        # over a longer run may have failed where its first steps fit).
+        failed = min(
+            (b for b, peak in measured if peak is None or peak > budget),
+            default=float("inf"),
+        )
         fitting = [
             b
-            for b, peak in result["own_measurements"]
-            if peak is not None and peak <= budget
+            for b, peak in measured
+            if peak is not None and peak <= budget and b < failed
         ]
         # The largest that fits, or one a step or two below it where the
         # fitted line's peak had to be kept within the budget too.

@@ -197,3 +197,100 @@ def test_linear_fit():
     assert steep.per_sample_mb == pytest.approx(
         (100 * 5.0 + 300 * 70.0) / (100**2 + 300**2)
     )
+
+
+def _low_then_true(curve, low):
+    """A search `measure` whose few steps peak `low` times the curve (they
+    happened to peak low), and a `confirm` whose longer runs peak on the
+    curve."""
+    confirmed = []
+
+    def measure(batch):
+        return low * curve(batch), 1e-3 * batch
+
+    def confirm(batch):
+        confirmed.append(batch)
+        return curve(batch), 1e-3 * batch
+
+    return measure, confirm, confirmed
+
+
+def test_the_answer_is_confirmed_over_a_longer_run():
+    budget = 100.0
+    measure, confirm, confirmed = _low_then_true(linear, 0.92)
+    unconfirmed = search_batch_size(measure, budget)
+    # Without the confirmation the answer's training steps peak above the
+    # budget: its few steps happened to peak low.
+    assert linear(unconfirmed.best.batch_size) > 1.05 * budget
+    outcome = search_batch_size(measure, budget, confirm=confirm)
+    best = outcome.best
+    assert best.confirmation
+    assert best.peak_mb == linear(best.batch_size) <= budget
+    # Stepped down to where the longer runs fit, within a few steps.
+    true = _true_largest(linear, budget)
+    assert true - best.batch_size <= 3 * resolution(true, 1)
+    assert outcome.predicted_peak_mb <= budget
+    assert outcome.upper_bound <= unconfirmed.best.batch_size
+    assert confirmed[0] == unconfirmed.best.batch_size
+    assert len(confirmed) <= 6
+    flags = [m.confirmation for m in outcome.measurements]
+    assert flags.count(True) == len(confirmed)
+
+
+def test_a_confirmed_answer_is_kept():
+    measure, confirm, confirmed = _low_then_true(linear, 1.0)
+    plain = search_batch_size(_measure(linear), 100.0)
+    outcome = search_batch_size(measure, 100.0, confirm=confirm)
+    assert confirmed == [plain.best.batch_size]
+    assert outcome.best.batch_size == plain.best.batch_size
+    assert outcome.best.confirmation
+    assert outcome.limited_by == plain.limited_by == "memory"
+
+
+def test_a_cap_that_fails_the_longer_run_is_limited_by_memory():
+    # The cap (500: 45 MB) fits the search's steps, not a longer run.
+    measure, confirm, _ = _low_then_true(linear, 1.0)
+    outcome = search_batch_size(
+        measure, 44.0, 500, confirm=lambda b: confirm(b + 100)
+    )
+    assert outcome.best.batch_size < 500
+    assert outcome.best.confirmation
+    assert linear(outcome.best.batch_size + 100) <= 44.0
+    assert outcome.limited_by == "memory"
+
+
+def test_the_smallest_batch_failing_the_longer_run_is_budget_too_small():
+    with pytest.raises(
+        BudgetTooSmall,
+        match=r"smallest batch \(1\) peaks at 24\.1 MB over a longer run",
+    ) as info:
+        search_batch_size(
+            _measure(linear), 20.12, confirm=lambda b: (24.0 + 0.1 * b, 0.0)
+        )
+    assert info.value.measurement.confirmation
+
+
+def test_a_failed_confirmation_steps_down_by_the_excess_not_further():
+    # The search's steps: 2333 fits, 2500 does not, nothing measured
+    # between 1024 and 2333, and the allocator's plateaus make the line
+    # near the answer nearly flat. Over a longer run 2333 peaks 5% above
+    # the budget: the answer steps down near it (as if at least half the
+    # peak grew with the batch), not far down (as the flat line says).
+    peaks = {1: 20.0, 2: 20.1, 1024: 97.0, 2333: 98.0, 2500: 101.0}
+    search = _Search(lambda b: (peaks[b], 0.0), 100.0, None, 1)
+    for batch in peaks:
+        search.run(batch)
+    confirmed = []
+
+    def confirm(batch):
+        confirmed.append(batch)
+        return 20.0 + 0.0364 * batch, 0.0  # 104.9 MB at 2333
+
+    search.confirm(confirm)
+    outcome = search.outcome("memory")
+    assert confirmed[0] == 2333 and len(confirmed) <= 3
+    assert outcome.best.confirmation
+    assert 2000 < outcome.best.batch_size < 2333
+    assert outcome.best.peak_mb <= 100.0
+    assert outcome.predicted_peak_mb <= 100.0
+    assert len(confirmed) >= 2 and outcome.upper_bound == confirmed[-2]

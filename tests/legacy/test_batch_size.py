@@ -39,8 +39,8 @@ def test_configure_batch_under_mirrored(fake_allocator):
         (X, Y),
         GLOBAL_BATCH,
         base_batch_size=16,
-        # Micro-batches of at most 8 within the budget less the 10% margin.
-        memory_budget_mb=14.2 / 0.9,
+        # Micro-batches of at most 8 within the budget less the margin.
+        memory_budget_mb=_fakes.budget_for(8),
         verbose=0,
     )
     after = [np.array(v) for v in model.weights + model.optimizer.variables]
