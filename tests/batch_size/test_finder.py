@@ -454,13 +454,24 @@ def test_real_peaks_of_a_cnn_and_an_mlp():
         stepped_down = any(p > budget for p in confirmed.values())
         # One probe step (~3%), or a few where the answer stepped down to
         # keep the fitted line's peak within the budget too.
-        if not stepped_down:
+        if stepped_down:
+            # A probe of 3 steps above the failed confirmation may have fit
+            # (CI: 2914 fit in the search, 2747 failed over 12 steps): the
+            # longer run decides. None of those above the answer fit.
+            assert not [
+                b
+                for b, p in confirmed.items()
+                if b > r["batch_size"] and p <= budget
+            ], (name, r)
+        else:
             gap = r["upper_bound"] - r["batch_size"]
             assert gap <= 4 * r["resolution"], r
+            assert not [
+                b
+                for b, p in peaks.items()
+                if r["upper_bound"] < b and p <= budget
+            ], (name, r)  # nothing above the bracket was seen to fit
         assert r["peak_mb"] <= budget, (name, r)
-        assert not [
-            b for b, p in peaks.items() if r["upper_bound"] < b and p <= budget
-        ], (name, r)  # nothing above the bracket was seen to fit
         again, above = r["remeasured"]
         assert again <= 1.15 * budget, (name, r)
         assert above > budget, (name, r)
