@@ -307,6 +307,8 @@ def _agreed_order_init(original: Any) -> Any:
         original(self, distribute_strategy, *args, **kwargs)
         adapter = self.data_adapter
         kind = type(adapter).__name__
+        if kind in ("PyDatasetAdapter", "GeneratorDataAdapter"):
+            _copy_python_batches(adapter)
         if kind == "PyDatasetAdapter" and adapter.shuffle:
             _agree_on_py_dataset_order(adapter, distribute_strategy)
         elif kind == "GeneratorDataAdapter":
@@ -405,6 +407,59 @@ def _warn_order(what: str) -> None:
         MultiWorkerFitWarning,
         stacklevel=5,
     )
+
+
+# Whether batches from Python (a generator, a PyDataset) are copied before
+# TensorFlow sees them; False only to show what TensorFlow does without
+# (tests/distribute/test_mw_data_order.py).
+COPY_PYTHON_BATCHES = True
+
+
+def _copied(batch: Any) -> Any:
+    import numpy as np
+    from keras import tree
+
+    return tree.map_structure(
+        lambda v: np.array(v, copy=True) if isinstance(v, np.ndarray) else v,
+        batch,
+    )
+
+
+def _copy_python_batches(adapter: Any) -> None:
+    """Copy every NumPy array a generator or PyDataset yields, on this
+    adapter only.
+
+    Measured (TensorFlow 2.21, Keras 3.15, 2 workers, oneDNN on or off):
+    `tf.data.Dataset.from_generator` wraps a 64-byte-aligned NumPy array
+    without copying it, the multi-worker input pipeline slices each global
+    batch into the workers' shares, and the first share, which starts at
+    the buffer's start, still aliases it; a kernel of the train step then
+    reuses that buffer for its output. So the labels of a batch that is a
+    view of the user's array (`y[i:i + batch]`) were overwritten in the
+    user's array, on the chief's share of every other batch: later epochs
+    and later fits trained on corrupted labels. A copy of each array is
+    TensorFlow's to overwrite. One process (no slicing) is not affected.
+    """
+    if not COPY_PYTHON_BATCHES:
+        return
+    if type(adapter).__name__ == "GeneratorDataAdapter":
+        generator = adapter.generator
+
+        def copying_generator():
+            for batch in generator():
+                yield _copied(batch)
+
+        adapter.generator = copying_generator
+        return
+    # Every path of PyDatasetAdapter (with or without an enqueuer, finite
+    # or not) passes each batch through `_standardize_batch`, looked up on
+    # the instance when the batch is drawn (the dataset may already exist).
+    standardize = adapter._standardize_batch
+
+    def _standardize_batch(batch: Any) -> Any:
+        return _copied(standardize(batch))
+
+    adapter._standardize_batch = _standardize_batch
 
 
 def _agree_on_py_dataset_order(adapter: Any, strategy: Any) -> None:

@@ -25,7 +25,7 @@ replacement hands over to Keras's own code unless the model's strategy is a
 `MultiWorkerMirroredStrategy` in multi-worker mode, so nothing changes
 elsewhere. Nothing is patched at import: call it once, before `fit`.
 
-Beyond the crash, multi-worker `fit` has three sharp edges that this module
+Beyond the crash, multi-worker `fit` has four sharp edges that this module
 handles explicitly (evidence in the README's compatibility table):
 
 - Data order. Each worker builds the whole input pipeline and
@@ -43,6 +43,12 @@ handles explicitly (evidence in the README's compatibility table):
   generator (each worker runs it whole and keeps every N-th batch), an
   unseeded or per-worker-seeded `tf.data` `shuffle()`, a shuffled
   `PyDataset` with `workers > 1` or `use_multiprocessing`.
+- Python batches: TensorFlow wraps a 64-byte-aligned NumPy array a
+  generator or `PyDataset` yields without copying it, the chief's share of
+  the batch keeps aliasing it, and the train step wrote its output there:
+  a batch that is a view of the user's `y` overwrote labels in the user's
+  array (TensorFlow 2.19 and 2.21, oneDNN on or off). Every NumPy array
+  such inputs yield is copied first.
 - `steps_per_execution > 1`: Keras's multi-step loop fails with the default
   `CollectiveAllReduce` ("You must feed a value for placeholder",
   keras-team/keras#19246). TensorFlow defers collective instance keys to

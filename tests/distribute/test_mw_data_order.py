@@ -135,6 +135,30 @@ def test_a_fit_after_every_other_kind_trains_as_the_first(cluster):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["generator", "py_dataset"])
+def test_python_batches_leave_the_users_arrays_alone(cluster, kind):
+    """A generator or PyDataset yielding views of the user's arrays
+    (`y[i:i + batch]`), 64-byte aligned: after a multi-worker fit both
+    arrays are unchanged on every worker. (Before the copy, measured: the
+    chief's share of every other batch of `y` was overwritten.)"""
+    for result in cluster:
+        assert result[f"{kind}_views_kept"] == {"x_rows": [], "y_rows": []}
+
+
+@pytest.mark.slow
+def test_tensorflow_overwrites_aliased_python_batches_without_the_copy(
+    cluster,
+):
+    """The TensorFlow behaviour the copy is for (seen on TensorFlow 2.19
+    and 2.21): without it, the chief's share of the PyDataset's batches is
+    overwritten in the user's `y`. Fails when TensorFlow stops doing so;
+    then the copy can go (docs/compatibility.md)."""
+    changed = [r["py_dataset_views_uncopied"] for r in cluster]
+    assert any(c["y_rows"] for c in changed), changed
+    assert all(not c["x_rows"] for c in changed), changed
+
+
+@pytest.mark.slow
 def test_the_workers_train_the_same_weights(cluster):
     for name in SHUFFLED:
         assert cluster[0][name]["weights"] == cluster[1][name]["weights"]
