@@ -20,8 +20,8 @@ KERAS_MGPU_SKIP_OLDEST=1 skips it (for a quick local run).
 
 `--quick` is the everyday tier: the Keras 3 tests not marked `slow`, less
 the modules in QUICK_IGNORED (processes, clusters, Keras's replayed cases):
-475 tests in 4.5 min on 2 cores (measured 2026-11-25, before the
-normalization package, whose quick part adds about 30 s).
+518 tests in 4.5 min on 2 cores (measured 2026-11-25 with the
+normalization package and the batch finder's confirmation run).
 
 Prints one closing line with the totals of all runs and exits non-zero if
 any run failed.
