@@ -22,23 +22,26 @@ from keras_mgpu.layers import apply_recompute
 BLOCKS, DEPTH, WIDTH, BATCH = 3, 2, 8, 4
 
 
-def deep_mlp(case: str):
-    """`BLOCKS` blocks of `DEPTH` Dense-ReLU layers and a head, compiled;
-    case "none" (plain), "in_place" (each block's call recomputed),
-    "wrapper" (each block in a `RecomputeGrad`) or "sqrt" (segments)."""
+def deep_mlp(
+    case: str, blocks: int = BLOCKS, depth: int = DEPTH, width: int = WIDTH
+):
+    """`blocks` blocks of `depth` Dense-ReLU layers of `width` and a head,
+    compiled (SGD, MSE); case "none" (plain), "in_place" (each block's call
+    recomputed), "wrapper" (each block in a `RecomputeGrad`) or "sqrt"
+    (segments). Also the deep MLP of tests/layers/memory_bodies.py."""
     keras.utils.set_random_seed(0)
-    blocks = [
+    layers = [
         keras.Sequential(
             [
-                keras.layers.Dense(WIDTH, activation="relu")
-                for _ in range(DEPTH)
+                keras.layers.Dense(width, activation="relu")
+                for _ in range(depth)
             ],
             name=f"block_{i}",
         )
-        for i in range(BLOCKS)
+        for i in range(blocks)
     ]
     model = keras.Sequential(
-        [keras.Input((WIDTH,)), *blocks, keras.layers.Dense(1)]
+        [keras.Input((width,)), *layers, keras.layers.Dense(1)]
     )
 
     def is_block(layer):

@@ -116,29 +116,15 @@ DEEP_BLOCKS, DEEP_DEPTH, DEEP_WIDTH, DEEP_BATCH = 8, 4, 512, 512
 
 
 def _deep_model(recompute: bool):
-    from keras_mgpu._flavour import keras
-    from keras_mgpu.layers import apply_recompute
+    # Imported here: the child's TF_USE_LEGACY_KERAS picks the flavour.
+    from layers.graph_size import deep_mlp
 
-    keras.utils.set_random_seed(0)
-    blocks = [
-        keras.Sequential(
-            [
-                keras.layers.Dense(DEEP_WIDTH, activation="relu")
-                for _ in range(DEEP_DEPTH)
-            ],
-            name=f"block_{i}",
-        )
-        for i in range(DEEP_BLOCKS)
-    ]
-    model = keras.Sequential(
-        [keras.Input((DEEP_WIDTH,)), *blocks, keras.layers.Dense(1)]
+    return deep_mlp(
+        "in_place" if recompute else "none",
+        blocks=DEEP_BLOCKS,
+        depth=DEEP_DEPTH,
+        width=DEEP_WIDTH,
     )
-    if recompute:
-        apply_recompute(
-            model, lambda layer: layer.name.startswith("block_"), in_place=True
-        )
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-    return model
 
 
 def deep_mlp_peaks(task_index: int) -> dict:
