@@ -223,10 +223,14 @@ def search_batch_size(
     search.settle()
     if confirm is not None:
         search.confirm(confirm)
-        best = search.outcome(limited_by).best
-        if limited_by == "max_batch_size" and best.batch_size < search._cap():
-            limited_by = "memory"  # the cap did not fit over a long run
-    return search.outcome(limited_by)
+    outcome = search.outcome(limited_by)
+    if (
+        limited_by == "max_batch_size"
+        and outcome.best.batch_size < search._cap()
+    ):
+        # The cap did not fit over the confirmation's longer run.
+        outcome = dataclasses.replace(outcome, limited_by="memory")
+    return outcome
 
 
 class _Search:
