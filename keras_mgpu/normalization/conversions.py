@@ -37,12 +37,13 @@ _SAVED_ATTR = "_keras_mgpu_batchnorm_saved"
 
 # Below this many values per group and example, a GroupNormalization
 # output keeps little of its input (2 values normalise to -1 and +1), and
-# a network whose narrow layers normalise so few does not train: measured,
+# a network whose narrow layers normalise so few barely trains: measured,
 # MobileNetV2 0.35 on 32x32 digits (1x1 and 2x2 maps at the end, groups
-# of 2-4 values) stayed at chance (benchmarks/bench_batchnorm.py,
-# groupnorm_k8). `convert_batchnorm_to_groupnorm` takes fewer groups
-# where that keeps at least this many, and warns where even one group
-# holds fewer.
+# of 2-4 values) reached 14% after 100 updates (Adam 5e-4, batch 64,
+# seed 0), 73% with groups of 16 or more values; the benchmark's
+# --min-values-per-group compares the two. `convert_batchnorm_to_groupnorm`
+# takes fewer groups where that keeps at least this many, and warns where
+# even one group holds fewer.
 MIN_VALUES_PER_GROUP = 16
 
 
@@ -647,7 +648,8 @@ def convert_batchnorm_to_groupnorm(
     16), or one group where no divisor does (with a UserWarning). Groups
     of few values keep little of their input (2 values normalise to -1
     and +1): with `groups=32` on every layer, MobileNetV2 0.35 at 32 x 32
-    (whose last layers see 1 x 1 and 2 x 2 maps) stayed at chance. A
+    (whose last layers see 1 x 1 and 2 x 2 maps) reached 14 % on digits
+    after 100 updates, 73 % with the default. A
     layer that sees one value per example raises a ValueError. The moving
     mean and variance are dropped:
     GroupNormalization has none, and it computes at inference what it
