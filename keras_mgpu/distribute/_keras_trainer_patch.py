@@ -7,7 +7,10 @@ from Keras 3.10.0, 3.11.3, 3.12.0, 3.13.0, 3.14.0, 3.15.0 and 3.15.1:
 `TFEpochIterator.__init__` / `_get_iterator` of
 `keras/src/backend/tensorflow/trainer.py`, plus the data code whose
 behaviour the replacements rely on (`EpochIterator._enumerate_iterator`,
-`ArrayDataAdapter.get_tf_dataset`, `PyDatasetAdapter._finite_generator`).
+`ArrayDataAdapter.get_tf_dataset`, `GeneratorDataAdapter.get_tf_dataset`,
+and `PyDatasetAdapter.get_tf_dataset` / `_get_iterator` / its four batch
+generators `_finite_generator`, `_infinite_generator`,
+`_finite_enqueuer_generator`, `_infinite_enqueuer_generator`).
 Each replacement calls Keras's original unless the model's strategy is a
 multi-worker `MultiWorkerMirroredStrategy`. `structure_differences()` checks
 the installed Keras against fingerprints of the code read (the version string
@@ -60,9 +63,41 @@ KNOWN_FINGERPRINTS: dict[str, dict[str, str]] = {
     # Relied on: the shuffle is one `tf.random.shuffle` seeded from the
     # graph seed at construction.
     "ArrayDataAdapter.get_tf_dataset": {"dd0a1cdd142ebc0e": "3.10-3.15"},
-    # Replaced per instance: shuffles batch indices with `random.shuffle`.
+    # Relied on: each iteration of its dataset calls `self.generator()`.
+    "GeneratorDataAdapter.get_tf_dataset": {
+        "b39ae8d4131ea6c8": "3.10-3.11",
+        "5a62569c0afed2ca": "3.12-3.15",
+    },
+    # Relied on: its dataset calls `self._get_iterator` afresh per epoch.
+    "PyDatasetAdapter.get_tf_dataset": {"0a9e2d0a79083242": "3.10-3.15"},
+    # Relied on: picks the batch generator below, looked up on the instance.
+    "PyDatasetAdapter._get_iterator": {"54470b0261e239d0": "3.10-3.15"},
+    # Replaced per instance (shuffles batch indices with `random.shuffle`);
+    # relied on unshuffled: each batch through `self._standardize_batch`.
     "PyDatasetAdapter._finite_generator": {"e96cb3fab34acd22": "3.10-3.15"},
+    # Relied on: each batch through `self._standardize_batch`.
+    "PyDatasetAdapter._infinite_generator": {"14b9e45139413ecb": "3.10-3.15"},
+    # Relied on: each batch through `self._standardize_batch`.
+    "PyDatasetAdapter._finite_enqueuer_generator": {
+        "f39745a84aa1cd37": "3.10-3.15"
+    },
+    # Relied on: each batch through `self._standardize_batch`.
+    "PyDatasetAdapter._infinite_enqueuer_generator": {
+        "f0e5891ecc59860c": "3.10-3.15"
+    },
 }
+
+
+# The PyDatasetAdapter methods every batch of the TensorFlow path goes
+# through (`get_tf_dataset` -> `_get_iterator` -> one of four generators).
+_PY_DATASET_METHODS = (
+    "get_tf_dataset",
+    "_get_iterator",
+    "_finite_generator",
+    "_infinite_generator",
+    "_finite_enqueuer_generator",
+    "_infinite_enqueuer_generator",
+)
 
 
 def _trainer_module() -> Any:
@@ -76,10 +111,12 @@ def _relied_on() -> dict[str, Any]:
     from keras.src.trainers import epoch_iterator
     from keras.src.trainers.data_adapters import (
         array_data_adapter,
+        generator_data_adapter,
         py_dataset_adapter,
     )
 
     module = _trainer_module()
+    py_dataset = py_dataset_adapter.PyDatasetAdapter
     return {
         "TensorFlowTrainer._maybe_symbolic_build": (
             module.TensorFlowTrainer.__dict__["_maybe_symbolic_build"]
@@ -93,9 +130,13 @@ def _relied_on() -> dict[str, Any]:
         "ArrayDataAdapter.get_tf_dataset": (
             array_data_adapter.ArrayDataAdapter.get_tf_dataset
         ),
-        "PyDatasetAdapter._finite_generator": (
-            py_dataset_adapter.PyDatasetAdapter._finite_generator
+        "GeneratorDataAdapter.get_tf_dataset": (
+            generator_data_adapter.GeneratorDataAdapter.get_tf_dataset
         ),
+        **{
+            f"PyDatasetAdapter.{name}": getattr(py_dataset, name)
+            for name in _PY_DATASET_METHODS
+        },
     }
 
 
