@@ -20,16 +20,15 @@ the originals; `uninstall(originals)` puts them back.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import hashlib
 import inspect
 import random
-import textwrap
 import threading
 import warnings
 from typing import Any
 
+from keras_mgpu.distribute._code_fingerprint import source_fingerprint
 from keras_mgpu.distribute.fit_warnings import MultiWorkerFitWarning
 from keras_mgpu.distribute.strategy import is_multi_worker
 
@@ -39,51 +38,52 @@ _STATE = threading.local()
 
 # Fingerprints (`_fingerprint`: the function's AST without docstring,
 # comments or layout) of the Keras code this module replaces or relies on,
-# with the releases that have it. Measured on the wheels of Keras 3.10.0,
-# 3.11.3, 3.12.0, 3.13.0, 3.14.0, 3.15.0 and 3.15.1.
+# with the releases that have it. Measured with tools/keras_fingerprints.py
+# on the wheels of Keras 3.10.0, 3.11.3, 3.12.0, 3.13.0, 3.14.0, 3.15.0 and
+# 3.15.1; identical on Python 3.10-3.13.
 _LATER = "3.11-3.15"
 KNOWN_FINGERPRINTS: dict[str, dict[str, str]] = {
     # Replaced: we hand it one local replica's batch.
     "TensorFlowTrainer._maybe_symbolic_build": {
-        "7bfd8f42950c16c2": "3.10",
-        "30893db715fb5876": _LATER,
+        "56fa1c6f0e28dfa5": "3.10",
+        "51d8321613a24862": _LATER,
     },
     # Replaced in multi-worker mode (axis=None).
-    "reduce_per_replica": {"415e00e1528dbb82": "3.10-3.15"},
+    "reduce_per_replica": {"bcd78e0928f53e77": "3.10-3.15"},
     # Wrapped: builds and distributes the dataset once per fit.
-    "TFEpochIterator.__init__": {"f63908b5c43cb47c": "3.10-3.15"},
+    "TFEpochIterator.__init__": {"e86167fe76e447cf": "3.10-3.15"},
     # Wrapped: returns the distributed dataset, iterated once per epoch.
-    "TFEpochIterator._get_iterator": {"319449a89251b049": "3.10-3.15"},
+    "TFEpochIterator._get_iterator": {"4180c4cf031ef71a": "3.10-3.15"},
     # Relied on: a fresh `iter(_get_iterator())` per epoch; yields
     # (step, iterator) in 3.10, (begin, end, iterator) later.
     "EpochIterator._enumerate_iterator": {
-        "a21b71cb21819a4a": "3.10",
-        "79c0dd52216e552a": _LATER,
+        "0a8e7343b25dcdaf": "3.10",
+        "7926cc678a88b4f1": _LATER,
     },
     # Relied on: the shuffle is one `tf.random.shuffle` seeded from the
     # graph seed at construction.
-    "ArrayDataAdapter.get_tf_dataset": {"dd0a1cdd142ebc0e": "3.10-3.15"},
+    "ArrayDataAdapter.get_tf_dataset": {"6e5fa8ba2cacd27c": "3.10-3.15"},
     # Relied on: each iteration of its dataset calls `self.generator()`.
     "GeneratorDataAdapter.get_tf_dataset": {
-        "b39ae8d4131ea6c8": "3.10-3.11",
-        "5a62569c0afed2ca": "3.12-3.15",
+        "567a350c0a34e704": "3.10-3.11",
+        "4335dd58d1f758d2": "3.12-3.15",
     },
     # Relied on: its dataset calls `self._get_iterator` afresh per epoch.
-    "PyDatasetAdapter.get_tf_dataset": {"0a9e2d0a79083242": "3.10-3.15"},
+    "PyDatasetAdapter.get_tf_dataset": {"00690f138574376e": "3.10-3.15"},
     # Relied on: picks the batch generator below, looked up on the instance.
-    "PyDatasetAdapter._get_iterator": {"54470b0261e239d0": "3.10-3.15"},
+    "PyDatasetAdapter._get_iterator": {"23bb3827a76421ad": "3.10-3.15"},
     # Replaced per instance (shuffles batch indices with `random.shuffle`);
     # relied on unshuffled: each batch through `self._standardize_batch`.
-    "PyDatasetAdapter._finite_generator": {"e96cb3fab34acd22": "3.10-3.15"},
+    "PyDatasetAdapter._finite_generator": {"1b922f883b3c485f": "3.10-3.15"},
     # Relied on: each batch through `self._standardize_batch`.
-    "PyDatasetAdapter._infinite_generator": {"14b9e45139413ecb": "3.10-3.15"},
+    "PyDatasetAdapter._infinite_generator": {"45a2cf7b7785e6d3": "3.10-3.15"},
     # Relied on: each batch through `self._standardize_batch`.
     "PyDatasetAdapter._finite_enqueuer_generator": {
-        "f39745a84aa1cd37": "3.10-3.15"
+        "526943d7ab2f62df": "3.10-3.15"
     },
     # Relied on: each batch through `self._standardize_batch`.
     "PyDatasetAdapter._infinite_enqueuer_generator": {
-        "f0e5891ecc59860c": "3.10-3.15"
+        "4d00c9c7afa49883": "3.10-3.15"
     },
 }
 
@@ -142,20 +142,8 @@ def _relied_on() -> dict[str, Any]:
 
 def _fingerprint(function: Any) -> str:
     """A hash of the function's code, blind to docstring, comments and
-    layout (its AST without line numbers)."""
-    function = inspect.unwrap(function)
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    node = tree.body[0]
-    body = node.body
-    if (
-        body
-        and isinstance(body[0], ast.Expr)
-        and isinstance(body[0].value, ast.Constant)
-        and isinstance(body[0].value.value, str)
-    ):
-        node.body = body[1:]
-    dump = ast.dump(node, include_attributes=False)
-    return hashlib.sha256(dump.encode()).hexdigest()[:16]
+    layout (its AST without line numbers), the same on every Python."""
+    return source_fingerprint(inspect.getsource(inspect.unwrap(function)))
 
 
 def structure_differences() -> list[str]:
