@@ -45,7 +45,8 @@ def portable_dump(node: object) -> str:
     Fields that are None or empty lists are left out: those are the fields
     that come and go between Python versions (3.12's `type_params`, 3.13's
     omissions); leaving them out keeps the dump unambiguous, as every field
-    is named. Constants are written by `repr`.
+    is named. Constants are written by `repr` (the constant None, whose
+    value is left out too, reads `Constant()`).
     """
     if isinstance(node, ast.AST):
         fields = []
