@@ -7,7 +7,10 @@ from Keras 3.10.0, 3.11.3, 3.12.0, 3.13.0, 3.14.0, 3.15.0 and 3.15.1:
 `TFEpochIterator.__init__` / `_get_iterator` of
 `keras/src/backend/tensorflow/trainer.py`, plus the data code whose
 behaviour the replacements rely on (`EpochIterator._enumerate_iterator`,
-`ArrayDataAdapter.get_tf_dataset`, `PyDatasetAdapter._finite_generator`).
+`ArrayDataAdapter.get_tf_dataset`, `GeneratorDataAdapter.get_tf_dataset`,
+and `PyDatasetAdapter.get_tf_dataset` / `_get_iterator` / its four batch
+generators `_finite_generator`, `_infinite_generator`,
+`_finite_enqueuer_generator`, `_infinite_enqueuer_generator`).
 Each replacement calls Keras's original unless the model's strategy is a
 multi-worker `MultiWorkerMirroredStrategy`. `structure_differences()` checks
 the installed Keras against fingerprints of the code read (the version string
@@ -17,16 +20,15 @@ the originals; `uninstall(originals)` puts them back.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import hashlib
 import inspect
 import random
-import textwrap
 import threading
 import warnings
 from typing import Any
 
+from keras_mgpu.distribute._code_fingerprint import source_fingerprint
 from keras_mgpu.distribute.fit_warnings import MultiWorkerFitWarning
 from keras_mgpu.distribute.strategy import is_multi_worker
 
@@ -36,33 +38,66 @@ _STATE = threading.local()
 
 # Fingerprints (`_fingerprint`: the function's AST without docstring,
 # comments or layout) of the Keras code this module replaces or relies on,
-# with the releases that have it. Measured on the wheels of Keras 3.10.0,
-# 3.11.3, 3.12.0, 3.13.0, 3.14.0, 3.15.0 and 3.15.1.
+# with the releases that have it. Measured with tools/keras_fingerprints.py
+# on the wheels of Keras 3.10.0, 3.11.3, 3.12.0, 3.13.0, 3.14.0, 3.15.0 and
+# 3.15.1; identical on Python 3.10-3.13.
 _LATER = "3.11-3.15"
 KNOWN_FINGERPRINTS: dict[str, dict[str, str]] = {
     # Replaced: we hand it one local replica's batch.
     "TensorFlowTrainer._maybe_symbolic_build": {
-        "7bfd8f42950c16c2": "3.10",
-        "30893db715fb5876": _LATER,
+        "56fa1c6f0e28dfa5": "3.10",
+        "51d8321613a24862": _LATER,
     },
     # Replaced in multi-worker mode (axis=None).
-    "reduce_per_replica": {"415e00e1528dbb82": "3.10-3.15"},
+    "reduce_per_replica": {"bcd78e0928f53e77": "3.10-3.15"},
     # Wrapped: builds and distributes the dataset once per fit.
-    "TFEpochIterator.__init__": {"f63908b5c43cb47c": "3.10-3.15"},
+    "TFEpochIterator.__init__": {"e86167fe76e447cf": "3.10-3.15"},
     # Wrapped: returns the distributed dataset, iterated once per epoch.
-    "TFEpochIterator._get_iterator": {"319449a89251b049": "3.10-3.15"},
+    "TFEpochIterator._get_iterator": {"4180c4cf031ef71a": "3.10-3.15"},
     # Relied on: a fresh `iter(_get_iterator())` per epoch; yields
     # (step, iterator) in 3.10, (begin, end, iterator) later.
     "EpochIterator._enumerate_iterator": {
-        "a21b71cb21819a4a": "3.10",
-        "79c0dd52216e552a": _LATER,
+        "0a8e7343b25dcdaf": "3.10",
+        "7926cc678a88b4f1": _LATER,
     },
     # Relied on: the shuffle is one `tf.random.shuffle` seeded from the
     # graph seed at construction.
-    "ArrayDataAdapter.get_tf_dataset": {"dd0a1cdd142ebc0e": "3.10-3.15"},
-    # Replaced per instance: shuffles batch indices with `random.shuffle`.
-    "PyDatasetAdapter._finite_generator": {"e96cb3fab34acd22": "3.10-3.15"},
+    "ArrayDataAdapter.get_tf_dataset": {"6e5fa8ba2cacd27c": "3.10-3.15"},
+    # Relied on: each iteration of its dataset calls `self.generator()`.
+    "GeneratorDataAdapter.get_tf_dataset": {
+        "567a350c0a34e704": "3.10-3.11",
+        "4335dd58d1f758d2": "3.12-3.15",
+    },
+    # Relied on: its dataset calls `self._get_iterator` afresh per epoch.
+    "PyDatasetAdapter.get_tf_dataset": {"00690f138574376e": "3.10-3.15"},
+    # Relied on: picks the batch generator below, looked up on the instance.
+    "PyDatasetAdapter._get_iterator": {"23bb3827a76421ad": "3.10-3.15"},
+    # Replaced per instance (shuffles batch indices with `random.shuffle`);
+    # relied on unshuffled: each batch through `self._standardize_batch`.
+    "PyDatasetAdapter._finite_generator": {"1b922f883b3c485f": "3.10-3.15"},
+    # Relied on: each batch through `self._standardize_batch`.
+    "PyDatasetAdapter._infinite_generator": {"45a2cf7b7785e6d3": "3.10-3.15"},
+    # Relied on: each batch through `self._standardize_batch`.
+    "PyDatasetAdapter._finite_enqueuer_generator": {
+        "526943d7ab2f62df": "3.10-3.15"
+    },
+    # Relied on: each batch through `self._standardize_batch`.
+    "PyDatasetAdapter._infinite_enqueuer_generator": {
+        "4d00c9c7afa49883": "3.10-3.15"
+    },
 }
+
+
+# The PyDatasetAdapter methods every batch of the TensorFlow path goes
+# through (`get_tf_dataset` -> `_get_iterator` -> one of four generators).
+_PY_DATASET_METHODS = (
+    "get_tf_dataset",
+    "_get_iterator",
+    "_finite_generator",
+    "_infinite_generator",
+    "_finite_enqueuer_generator",
+    "_infinite_enqueuer_generator",
+)
 
 
 def _trainer_module() -> Any:
@@ -76,10 +111,12 @@ def _relied_on() -> dict[str, Any]:
     from keras.src.trainers import epoch_iterator
     from keras.src.trainers.data_adapters import (
         array_data_adapter,
+        generator_data_adapter,
         py_dataset_adapter,
     )
 
     module = _trainer_module()
+    py_dataset = py_dataset_adapter.PyDatasetAdapter
     return {
         "TensorFlowTrainer._maybe_symbolic_build": (
             module.TensorFlowTrainer.__dict__["_maybe_symbolic_build"]
@@ -93,28 +130,20 @@ def _relied_on() -> dict[str, Any]:
         "ArrayDataAdapter.get_tf_dataset": (
             array_data_adapter.ArrayDataAdapter.get_tf_dataset
         ),
-        "PyDatasetAdapter._finite_generator": (
-            py_dataset_adapter.PyDatasetAdapter._finite_generator
+        "GeneratorDataAdapter.get_tf_dataset": (
+            generator_data_adapter.GeneratorDataAdapter.get_tf_dataset
         ),
+        **{
+            f"PyDatasetAdapter.{name}": getattr(py_dataset, name)
+            for name in _PY_DATASET_METHODS
+        },
     }
 
 
 def _fingerprint(function: Any) -> str:
     """A hash of the function's code, blind to docstring, comments and
-    layout (its AST without line numbers)."""
-    function = inspect.unwrap(function)
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    node = tree.body[0]
-    body = node.body
-    if (
-        body
-        and isinstance(body[0], ast.Expr)
-        and isinstance(body[0].value, ast.Constant)
-        and isinstance(body[0].value.value, str)
-    ):
-        node.body = body[1:]
-    dump = ast.dump(node, include_attributes=False)
-    return hashlib.sha256(dump.encode()).hexdigest()[:16]
+    layout (its AST without line numbers), the same on every Python."""
+    return source_fingerprint(inspect.getsource(inspect.unwrap(function)))
 
 
 def structure_differences() -> list[str]:

@@ -234,6 +234,77 @@ def test_changed_keras_code_is_refused_naming_what_differs(
     assert trainer.reduce_per_replica is reduce_per_replica  # untouched
 
 
+# Edits of Keras's data adapters that would hand TensorFlow batches around
+# the per-instance replacements of `_copy_python_batches` (and of the
+# PyDataset shuffle): (name, installed text, changed text).
+_BYPASSES = [
+    # The attribute renamed: the generator keras_mgpu replaced goes unused.
+    (
+        "GeneratorDataAdapter.get_tf_dataset",
+        "self.generator()",
+        "self._generator()",
+    ),
+    ("PyDatasetAdapter.get_tf_dataset", "self._get_iterator,", "self._it,"),
+    # Looked up on the class: a per-instance replacement is skipped.
+    (
+        "PyDatasetAdapter._get_iterator",
+        "self._finite_generator()",
+        "PyDatasetAdapter._finite_generator(self)",
+    ),
+    *[
+        (
+            f"PyDatasetAdapter.{name}",
+            "self._standardize_batch(",
+            "PyDatasetAdapter._standardize_batch(self, ",
+        )
+        for name in (
+            "_finite_generator",
+            "_infinite_generator",
+            "_finite_enqueuer_generator",
+            "_infinite_enqueuer_generator",
+        )
+    ],
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "installed", "changed"), _BYPASSES, ids=[b[0] for b in _BYPASSES]
+)
+def test_a_change_to_the_data_code_the_batch_copy_relies_on_is_named(
+    name, installed, changed, tmp_path, monkeypatch
+):
+    """A Keras whose data adapters would pass a generator's or PyDataset's
+    batches around keras_mgpu's per-instance copy (TensorFlow then
+    overwrites the user's arrays) is refused, naming the function."""
+    import importlib.util
+    import inspect
+    import sys
+    import textwrap
+
+    from keras_mgpu.distribute import _keras_trainer_patch
+
+    live = _keras_trainer_patch._relied_on()[name]
+    owner_name, attribute = name.split(".")
+    owner = getattr(sys.modules[live.__module__], owner_name)
+    source = textwrap.dedent(inspect.getsource(live))
+    assert installed in source
+
+    def replace_with(text: str, stem: str) -> None:
+        # A real file: the fingerprint reads the function's source.
+        path = tmp_path / f"{stem}.py"
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location(stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        monkeypatch.setattr(owner, attribute, getattr(module, attribute))
+
+    replace_with(source, "same_code")  # a copy of the code is no change
+    assert _keras_trainer_patch.structure_differences() == []
+    replace_with(source.replace(installed, changed), "changed_code")
+    (difference,) = _keras_trainer_patch.structure_differences()
+    assert difference.startswith(f"{name} differs from Keras 3.")
+
+
 def test_the_installed_keras_matches_a_known_release():
     from keras_mgpu.distribute import _keras_trainer_patch
 
