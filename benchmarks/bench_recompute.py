@@ -77,7 +77,15 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CASES = ("none", "per_block", "in_place", "sqrt", "tf_recompute_grad")
+CASES = (
+    "none",
+    "per_block",
+    "in_place",
+    "sqrt",
+    "min_memory",
+    "min_memory_layers",
+    "tf_recompute_grad",
+)
 
 
 def _current_rss() -> int:
@@ -87,8 +95,6 @@ def _current_rss() -> int:
 
 def build_model(case: str, args: argparse.Namespace):
     """The stack for `case`, compiled; same initial weights for every case."""
-    import numpy as np
-
     from keras_mgpu._flavour import keras, tf
     from keras_mgpu.layers import apply_recompute
 
@@ -124,6 +130,13 @@ def build_model(case: str, args: argparse.Namespace):
             ]
             for _ in range(args.blocks)
         ]
+    if case == "min_memory_layers":  # the same layers, not in blocks
+        flat = [layer for block in layers for layer in block]
+        model = keras.Sequential(
+            [keras.Input((w,)), *flat, keras.layers.Dense(1)]
+        )
+        apply_recompute(model, flat, policy="min_memory")
+        return _compiled(model, args)
     blocks = [
         keras.Sequential(block, name=f"block_{i}")
         for i, block in enumerate(layers)
@@ -147,9 +160,17 @@ def build_model(case: str, args: argparse.Namespace):
         model = apply_recompute(
             model, layers=is_block, policy="sqrt", in_place=False
         )
+    elif case == "min_memory":
+        apply_recompute(model, layers=is_block, policy="min_memory")
+    return _compiled(model, args)
+
+
+def _compiled(model, args: argparse.Namespace):
+    import numpy as np
+
     model.compile(optimizer="sgd", loss="mse")
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.batch, w)).astype("float32")
+    x = rng.normal(size=(args.batch, args.width)).astype("float32")
     y = rng.normal(size=(args.batch, 1)).astype("float32")
     wrappers = sum(
         type(layer).__name__ == "RecomputeGrad" for layer in model.layers
@@ -278,17 +299,35 @@ def _run_memory_child(case: str, args: argparse.Namespace) -> dict:
     return json.loads(lines[-1])
 
 
-def _activation_floor(args: argparse.Namespace) -> float | None:
-    """Per-block recompute on the deep MLP keeps the block boundaries and
-    one block's activations, plain training every activation (see the
-    module docstring); None for other stacks."""
+def _activation_floor(case: str, args: argparse.Namespace) -> float | None:
+    """The activations `case` keeps at its peak on the deep MLP over plain
+    training's (every layer's output and the input): per block, the block
+    boundaries and one block's activations (see the module docstring); the
+    min_memory cases, what their plan stores (`min_memory_sizes` on blocks
+    of `depth` activations handing on one, or on single layers). None for
+    other stacks."""
     if not args.depth:
         return None
-    kept = args.blocks + args.depth
-    return round(kept / (args.blocks * args.depth + 1), 3)
+    from keras_mgpu.layers.min_memory_segments import min_memory_sizes
+
+    plain = args.blocks * args.depth + 1
+    if case in ("per_block", "in_place", "tf_recompute_grad"):
+        kept = args.blocks + args.depth
+    elif case in ("min_memory", "min_memory_layers"):
+        per_unit = args.depth if case == "min_memory" else 1
+        units = plain - 1 if case == "min_memory_layers" else args.blocks
+        sizes = min_memory_sizes(
+            [per_unit] * units, [1] * units, [False] * units
+        )
+        kept = 1 + max(i + size * per_unit for i, size in enumerate(sizes))
+    else:
+        return None
+    return round(kept / plain, 3)
 
 
-def _bound_at_peak(args: argparse.Namespace, plain_mib: float | None):
+def _bound_at_peak(
+    case: str, args: argparse.Namespace, plain_mib: float | None
+):
     """Per-block recompute's peak at most, as a ratio: plain's measured
     peak less the activations per-block recompute does not keep (one
     layer's output is batch * width float32). The rest of plain's peak (the
@@ -297,10 +336,12 @@ def _bound_at_peak(args: argparse.Namespace, plain_mib: float | None):
     step holds besides its kept activations;
     tests/layers/test_recompute_memory.py asserts the in-place engine stays
     within it. None for other stacks."""
-    if not args.depth or not plain_mib:
+    floor = _activation_floor(case, args)
+    if floor is None or not plain_mib:
         return None
     activation = args.batch * args.width * 4 / 2**20
-    dropped = args.blocks * args.depth + 1 - (args.blocks + args.depth)
+    plain = args.blocks * args.depth + 1
+    dropped = plain - round(floor * plain)
     return round((plain_mib - dropped * activation) / plain_mib, 3)
 
 
@@ -311,7 +352,12 @@ def _target_met(case, args, memory_ratio, time_ratio):
         return None
     if case == "sqrt":
         return bool(memory_ratio <= 0.5 and time_ratio <= 1.4)
-    if case in ("per_block", "in_place") and args.depth:
+    if args.depth and case in (
+        "per_block",
+        "in_place",
+        "min_memory",
+        "min_memory_layers",
+    ):
         return bool(memory_ratio <= 0.35 and time_ratio <= 1.40)
     return None
 
@@ -398,14 +444,10 @@ def main() -> None:
                     "step_time_pairs": [round(r, 3) for r in ratios[case]],
                     "extra_ops": row["optimized_ops"] - base["optimized_ops"],
                     "extra_matmuls": row["matmuls"] - base["matmuls"],
-                    "activation_floor": _activation_floor(args)
-                    if case in ("per_block", "in_place", "tf_recompute_grad")
-                    else None,
+                    "activation_floor": _activation_floor(case, args),
                     "bound_at_peak": _bound_at_peak(
-                        args, base.get("step_peak_mib")
-                    )
-                    if case in ("per_block", "in_place", "tf_recompute_grad")
-                    else None,
+                        case, args, base.get("step_peak_mib")
+                    ),
                     "target_met": _target_met(
                         case, args, memory_ratio, time_ratio
                     ),

@@ -9,7 +9,8 @@ models and presets, `.keras` files). Two switches, both undone by
 - per layer: the layer's `call` is replaced on the instance (Keras itself
   wraps `build` per instance the same way) by one that runs the class's
   `call` under `recompute` (see `_recompute_engine`);
-- per segment (`group_by=` or `policy="sqrt"`, Keras 3 functional graphs):
+- per segment (`group_by=`, `policy="sqrt"` or `"min_memory"`, Keras 3
+  functional graphs):
   the graph runner of the functional model that calls the chosen layers
   runs each segment (nodes consecutive in its execution order: a residual
   block, a run of transformer layers) as one recomputed unit.

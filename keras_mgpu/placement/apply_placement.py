@@ -163,8 +163,9 @@ def apply_placement(
     Layers recomputed in place (`apply_recompute(..., in_place=True)`)
     stay recomputed: a switched layer is switched in its placed copy and
     recomputed on its device; a segment of the top-level graph (`group_by`,
-    `policy="sqrt"`) becomes a segment of the placed layers, recomputed as
-    one unit (once per micro-batch), each part on its device. A placed
+    `policy="sqrt"` or `"min_memory"`) becomes a segment of the placed
+    layers, recomputed as one unit (once per micro-batch), each part on its
+    device. A placed
     model can be recomputed in place afterwards too (`layers=None` with
     `group_by` finds the layers inside a pipelined model's stages). A
     model rebuilt by `apply_recompute` is placed with each `RecomputeGrad`

@@ -27,18 +27,26 @@ def deep_mlp(
 ):
     """`blocks` blocks of `depth` Dense-ReLU layers of `width` and a head,
     compiled (SGD, MSE); case "none" (plain), "in_place" (each block's call
-    recomputed), "wrapper" (each block in a `RecomputeGrad`) or "sqrt"
-    (segments). Also the deep MLP of tests/layers/memory_bodies.py."""
+    recomputed), "wrapper" (each block in a `RecomputeGrad`), "sqrt" or
+    "min_memory" (segments of blocks), or "min_memory_layers" (the same
+    Dense layers not in blocks, in min_memory segments of layers). Also the
+    deep MLP of tests/layers/memory_bodies.py."""
     keras.utils.set_random_seed(0)
-    layers = [
-        keras.Sequential(
-            [
-                keras.layers.Dense(width, activation="relu")
-                for _ in range(depth)
-            ],
-            name=f"block_{i}",
+    dense = [
+        [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+        for _ in range(blocks)
+    ]
+    if case == "min_memory_layers":
+        flat = [layer for block in dense for layer in block]
+        model = keras.Sequential(
+            [keras.Input((width,)), *flat, keras.layers.Dense(1)]
         )
-        for i in range(blocks)
+        apply_recompute(model, flat, policy="min_memory")
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+    layers = [
+        keras.Sequential(block, name=f"block_{i}")
+        for i, block in enumerate(dense)
     ]
     model = keras.Sequential(
         [keras.Input((width,)), *layers, keras.layers.Dense(1)]
@@ -51,8 +59,8 @@ def deep_mlp(
         apply_recompute(model, layers=is_block, in_place=True)
     elif case == "wrapper":
         model = apply_recompute(model, layers=is_block, in_place=False)
-    elif case == "sqrt":
-        apply_recompute(model, layers=is_block, policy="sqrt", in_place=True)
+    elif case in ("sqrt", "min_memory"):
+        apply_recompute(model, layers=is_block, policy=case, in_place=True)
     model.compile(optimizer="sgd", loss="mse")
     return model
 

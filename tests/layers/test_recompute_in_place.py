@@ -182,6 +182,30 @@ def test_choose_by_name_predicate_and_in_subclassed_model():
     assert np.isfinite(history.history["loss"][0])
 
 
+def test_choose_by_layer_object():
+    """A layer is callable: it must not be taken for a predicate (it was
+    called on every layer: "Only input tensors may be passed as positional
+    arguments")."""
+    model = user_model()
+    block = model.get_layer("encoder").get_layer("block_1")
+    apply_recompute(model, block)
+    assert recomputed_layers(model) == [block]
+    strip_recompute(model)
+    apply_recompute(model, [block, "head"])
+    assert {layer.name for layer in recomputed_layers(model)} == {
+        "block_1",
+        "head",
+    }
+    with pytest.raises(
+        ValueError, match="holds layer 'stranger', which model 'user_model'"
+    ):
+        apply_recompute(model, keras.layers.Dense(2, name="stranger"))
+    model = user_model()
+    rebuilt = apply_recompute(model, model.get_layer("head"), in_place=False)
+    assert isinstance(rebuilt.layers[-1], RecomputeGrad)
+    assert recomputed_layers(model) == []  # the rebuild leaves it alone
+
+
 def test_outer_choice_switches_inner_back_and_default_is_top_level():
     model = user_model()
     apply_recompute(model, keras.layers.Dense, in_place=True)
@@ -275,6 +299,44 @@ def test_sqrt_segments_of_a_stack_with_side_inputs():
     strip_recompute(model)
     assert segment_plan(model) == [] and recomputed_layers(model) == []
     assert "_run_through_graph" not in model.__dict__
+
+
+def test_min_memory_segments_shrink_towards_the_output():
+    """A Gated unit is estimated to hold its 3 leaf layers' outputs (3 x 6
+    per sample) and hands on 6: for 8 of them segments of 2, 2, 2, then 1
+    and 1 recomputed on their own (8 x 6 stored at most, per unit 10 x 6).
+    Bit-identical to the plain model, each unit run twice; strip undoes
+    it."""
+    inputs = [X, np.abs(X[::-1])]
+    plain, model = gated_stack(), gated_stack()
+    apply_recompute(model, Gated, policy="min_memory")
+    assert [[layer.name for layer in s] for s in segment_plan(model)] == [
+        ["gated_0", "gated_1"],
+        ["gated_2", "gated_3"],
+        ["gated_4", "gated_5"],
+    ]
+    assert len(recomputed_layers(model)) == 8
+    for i in range(8):
+        model.get_layer(f"gated_{i}").counter.calls = 0
+    assert_identical(step(model, inputs), step(plain, inputs))
+    counts = [model.get_layer(f"gated_{i}").counter.calls for i in range(8)]
+    assert counts == [2] * 8  # forward + recomputation
+    assert_identical(step(model, inputs, True), step(plain, inputs, True))
+    strip_recompute(model)
+    assert segment_plan(model) == [] and recomputed_layers(model) == []
+
+
+def test_min_memory_is_in_place_only():
+    with pytest.raises(
+        ValueError,
+        match=r"policy='min_memory' sizes its segments.*pass in_place=True"
+        r".*Received: policy='min_memory', in_place=False",
+    ):
+        apply_recompute(
+            gated_stack(), Gated, policy="min_memory", in_place=False
+        )
+    with pytest.raises(ValueError, match="policy='min_memory' found no run"):
+        apply_recompute(tower(), keras.Sequential, policy="min_memory")
 
 
 def test_sqrt_segments_of_a_sequential_stack():

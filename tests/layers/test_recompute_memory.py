@@ -31,14 +31,14 @@ def test_peak_memory_eager_tf_function_and_fit_run_eagerly():
 
 
 @pytest.mark.slow
-def test_per_block_recompute_keeps_only_boundaries_and_one_block():
-    """On a deep MLP (8 blocks of 4 Dense layers, one activation = 1 MiB)
-    the recomputed step's peak is at most the plain step's less the 21
-    activations per-block recompute does not keep (33 held plain, 12
-    recomputed), within one activation: the engine holds nothing beyond the
-    block boundaries and the block being recomputed (issue 19 item 8;
-    `bench_recompute.py --deep` prints the same bound at full size). Keeping
-    one block more (block_0 not recomputed) fails it."""
+def test_recompute_keeps_only_what_its_plan_stores():
+    """On a deep MLP (8 blocks of 4 Dense 256, batch 2048: one activation
+    = 2 MiB) each recomputed step's peak is at most the activations its plan
+    keeps (per block 12, min_memory on the blocks 10, on the 32 layers 9;
+    plain 33) and one layer's backward buffers: the engine holds nothing
+    beyond the boundaries and the segment being recomputed (issue 19 item 8;
+    `bench_recompute.py --deep` prints the same floors at full size).
+    Keeping one block more (block_0 not recomputed) fails it."""
     peaks = run_in_process(
         "layers.memory_bodies:deep_mlp_peaks",
         timeout=240,

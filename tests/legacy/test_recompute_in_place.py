@@ -121,8 +121,8 @@ def test_peak_memory_eager_tf_function_and_fit_run_eagerly():
 
 @pytest.mark.slow
 def test_per_block_recompute_keeps_only_boundaries_and_one_block():
-    """The recomputed deep MLP's peak is at most the plain one's less the
-    activations per-block recompute does not keep (see
+    """The recomputed deep MLP's peak is at most the activations per-block
+    recompute keeps and one layer's backward buffers (see
     tests/layers/test_recompute_memory.py)."""
     from _processes import run_in_process
     from layers.memory_bodies import assert_recompute_keeps_only_its_floor
@@ -175,6 +175,8 @@ def test_refusals():
     model = nested_model()
     with pytest.raises(ValueError, match="under tf_keras use in_place=False"):
         apply_recompute(model, "block", policy="sqrt", in_place=True)
+    with pytest.raises(ValueError, match="under tf_keras use in_place=False"):
+        apply_recompute(model, "block", policy="min_memory", in_place=True)
     with pytest.raises(ValueError, match="under tf_keras use in_place=False"):
         apply_recompute(model, in_place=True, group_by=lambda layer: 0)
 

@@ -21,6 +21,7 @@ from _placement_helpers import CPUS, assert_grads_close, loss_and_grads
 
 from keras_mgpu import _flavour
 from keras_mgpu.layers import apply_recompute, recomputed_layers
+from keras_mgpu.layers.recompute_in_place import segment_plan
 from keras_mgpu.placement import apply_placement, strip_placement
 
 keras = _flavour.keras
@@ -138,6 +139,27 @@ def test_recompute_then_place(micro_batches):
     plain = strip_placement(placed)
     assert names(plain) == expected_names
     check_step(plain, strip_placement(reference), None)
+
+
+def test_min_memory_segments_survive_placement():
+    """policy="min_memory" over the blocks' layers (segments across the
+    residual adds), the head per layer: placed and pipelined, the same
+    layers stay recomputed and the gradients are the plain placement's."""
+    model = residual_model()
+    apply_recompute(
+        model,
+        lambda layer: layer.name[:2] in {"b0", "b1", "b2"},
+        policy="min_memory",
+    )
+    apply_recompute(model, "head")
+    plan = segment_plan(model)
+    # Measured plan: b0 whole, b1 without its add, then [b1_add, b2_fc1,
+    # b2_count] and [b2_drop, b2_fc2, b2_add]: segments across blocks.
+    assert [len(segment) for segment in plan] == [5, 4, 3, 3]
+    expected_names = names(model)
+    placed = place(model, 2)
+    assert names(placed) == expected_names
+    check_step(placed, place(residual_model(), 2), 2)
 
 
 def test_place_then_recompute_a_pipelined_model():
