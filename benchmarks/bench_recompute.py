@@ -244,7 +244,7 @@ def time_cases(args: argparse.Namespace) -> tuple[dict, dict, dict]:
 
     Returns (step times per case, ratios to the paired plain step per
     case, graph sizes per case)."""
-    models = {case: build_model(case, args) for case in CASES}
+    models = {case: build_model(case, args) for case in args.cases}
     sizes = {}
     for case, (model, x, y, _) in models.items():
         sizes[case] = graph_size(model, x, y)  # traces
@@ -256,8 +256,8 @@ def time_cases(args: argparse.Namespace) -> tuple[dict, dict, dict]:
         _step(model, x, y)
         return time.perf_counter() - start
 
-    others = CASES[1:]
-    times: dict = {case: [] for case in CASES}
+    others = args.cases[1:]
+    times: dict = {case: [] for case in args.cases}
     ratios: dict = {case: [] for case in others}
     for round_index in range(args.rounds):
         # Rotate the order so no case always follows the same one, and
@@ -278,9 +278,9 @@ def time_cases(args: argparse.Namespace) -> tuple[dict, dict, dict]:
 def memory_cases(args: argparse.Namespace) -> dict:
     """`--memory-repeats` peaks per case, one subprocess each, the cases
     alternated."""
-    runs: dict = {case: [] for case in CASES}
+    runs: dict = {case: [] for case in args.cases}
     for _ in range(args.memory_repeats):
-        for case in CASES:
+        for case in args.cases:
             runs[case].append(_run_memory_child(case, args))
     return runs
 
@@ -381,8 +381,18 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--deep", action="store_true")
+    parser.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"comma-separated, from {','.join(CASES)} (none always runs)",
+    )
     parser.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    chosen = [c for c in args.cases.split(",") if c]
+    unknown = sorted(set(chosen) - set(CASES))
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; choose from {CASES}")
+    args.cases = ["none"] + [c for c in CASES[1:] if c in chosen]
     if args.quick:
         args.blocks, args.width, args.batch = 12, 128, 512
         args.rounds, args.steps = 3, 2
@@ -397,7 +407,7 @@ def main() -> None:
     memory_runs = memory_cases(args)
     times, ratios, sizes = time_cases(args)
     rows = {}
-    for case in CASES:
+    for case in args.cases:
         runs = memory_runs[case]
         good = [r for r in runs if "error" not in r]
         row = {
@@ -422,7 +432,7 @@ def main() -> None:
         rows[case] = row
         print(json.dumps(row), flush=True)
     base = rows["none"]
-    for case in CASES[1:]:
+    for case in args.cases[1:]:
         row = rows[case]
         if "error" in row or "error" in base:
             continue
