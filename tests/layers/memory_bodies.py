@@ -181,9 +181,10 @@ def deep_mlp_peaks(task_index: int) -> dict:
 
 
 # Besides the activations it keeps, a step holds at its peak the buffers of
-# one layer's backward, the incoming gradient and the input gradient, and
-# Keras's copy of the input batch (3 activations), and up to 4 weight
-# gradients (the next layers' are computed while the updates run).
+# one layer's backward (the incoming gradient and the input gradient), a
+# buffer of the input batch's size allocated as the step starts (together
+# 3 activations) and up to 4 weight gradients (the next layers' are
+# computed while the updates run).
 # Measured in activations (least of 5 steps, 3 runs): plain 33 + 1.9-2,
 # per block 12 + 1.8-2.8, min_memory on blocks 10 + 2-2.9, on layers
 # 9 + 2.8-2.9. Keeping block_0's activations (+3) goes over (seen: 32.25
