@@ -13,7 +13,8 @@ segments of `k, k-1, ..., ` units from the input up, with `k` the smallest
 integer such that `k (k + 1) / 2 >= n`: about sqrt(2 n) activations
 stored at once where equal segments store about 2 sqrt(n); with the input,
 9 instead of 11 for a chain of 32 layers (8, 7, 6, 5, 4, 2 against six of
-6, 6, 6, 6, 6, 2; `tests/layers/test_recompute_memory.py` measures it).
+6, 6, 6, 6, 6, 2: counted in `tests/layers/test_min_memory_segments.py`;
+`tests/layers/test_recompute_memory.py` bounds the measured peaks).
 
 What a unit holds is estimated from the symbolic shapes of the graph,
 per sample, in elements: the outputs of every layer it runs (a nested
