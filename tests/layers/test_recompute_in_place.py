@@ -280,15 +280,9 @@ def gated_stack(n: int = 8) -> keras.Model:
     return keras.Model([inputs, gate], keras.layers.Dense(1)(h))
 
 
-def test_sqrt_segments_of_a_stack_with_side_inputs():
-    inputs = [X, np.abs(X[::-1])]
-    plain, model = gated_stack(), gated_stack()
-    apply_recompute(model, Gated, policy="sqrt", in_place=True)
-    assert [[layer.name for layer in s] for s in segment_plan(model)] == [
-        ["gated_0", "gated_1", "gated_2"],
-        ["gated_3", "gated_4", "gated_5"],
-        ["gated_6", "gated_7"],
-    ]  # ceil(sqrt(8)) = 3 per segment
+def assert_gated_segments_like_plain(model, plain, inputs) -> None:
+    """Every Gated unit recomputed, bit-identical to `plain` eagerly and in
+    tf.function, each unit run twice per eager step; strip undoes it."""
     assert len(recomputed_layers(model)) == 8
     for i in range(8):
         model.get_layer(f"gated_{i}").counter.calls = 0
@@ -298,6 +292,18 @@ def test_sqrt_segments_of_a_stack_with_side_inputs():
     assert_identical(step(model, inputs, True), step(plain, inputs, True))
     strip_recompute(model)
     assert segment_plan(model) == [] and recomputed_layers(model) == []
+
+
+def test_sqrt_segments_of_a_stack_with_side_inputs():
+    inputs = [X, np.abs(X[::-1])]
+    plain, model = gated_stack(), gated_stack()
+    apply_recompute(model, Gated, policy="sqrt", in_place=True)
+    assert [[layer.name for layer in s] for s in segment_plan(model)] == [
+        ["gated_0", "gated_1", "gated_2"],
+        ["gated_3", "gated_4", "gated_5"],
+        ["gated_6", "gated_7"],
+    ]  # ceil(sqrt(8)) = 3 per segment
+    assert_gated_segments_like_plain(model, plain, inputs)
     assert "_run_through_graph" not in model.__dict__
 
 
@@ -315,15 +321,7 @@ def test_min_memory_segments_shrink_towards_the_output():
         ["gated_2", "gated_3"],
         ["gated_4", "gated_5"],
     ]
-    assert len(recomputed_layers(model)) == 8
-    for i in range(8):
-        model.get_layer(f"gated_{i}").counter.calls = 0
-    assert_identical(step(model, inputs), step(plain, inputs))
-    counts = [model.get_layer(f"gated_{i}").counter.calls for i in range(8)]
-    assert counts == [2] * 8  # forward + recomputation
-    assert_identical(step(model, inputs, True), step(plain, inputs, True))
-    strip_recompute(model)
-    assert segment_plan(model) == [] and recomputed_layers(model) == []
+    assert_gated_segments_like_plain(model, plain, inputs)
 
 
 def test_min_memory_is_in_place_only():

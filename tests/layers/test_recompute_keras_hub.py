@@ -291,3 +291,15 @@ def test_gpt2_sqrt_fit_mirrored_every_component():
         if "transformer_layer" in w.path
     ]
     assert len(moved) > 10 and all(moved)  # the decoders trained
+
+
+def test_min_memory_plans_decoder_layers_one_per_segment():
+    """A GPT-2 decoder layer holds many times what it hands on: the
+    min_memory plan is per-layer recompute (every decoder recomputed, no
+    segment), not an error (it said "found no run")."""
+    lm = gpt2_lm(num_layers=4)
+    apply_recompute(
+        lm, keras_hub.layers.TransformerDecoder, policy="min_memory"
+    )
+    assert segment_plan(lm.backbone) == []
+    assert len(recomputed_layers(lm)) == 4
