@@ -14,6 +14,7 @@ afterwards, and objects of the other flavour are rejected with a clear error.
 from __future__ import annotations
 
 import os
+import types
 
 from keras_mgpu._flavour_switch import (
     LEGACY_ENV_VAR,
@@ -34,20 +35,50 @@ if IS_TF_KERAS:
         ) from exc
     FLAVOUR = "tf_keras"
 else:
-    # keras_mgpu is built on TensorFlow's distribution strategies; pick the
-    # TensorFlow backend unless the user chose one explicitly.
+    # keras_mgpu was built on TensorFlow's distribution strategies; pick the
+    # TensorFlow backend unless the user chose one explicitly. Other backends
+    # import fine: each component says at construction whether it supports
+    # the running one (`keras_mgpu.backend.require_backend`).
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras  # noqa: F401
 
-    if keras.backend.backend() != "tensorflow":
-        raise ImportError(
-            "keras_mgpu needs the TensorFlow backend of Keras 3. Received: "
-            f"KERAS_BACKEND={keras.backend.backend()!r}. Set "
-            "KERAS_BACKEND=tensorflow before importing keras."
-        )
     FLAVOUR = "keras3"
 
-import tensorflow as tf  # noqa: E402,F401
+
+class _TensorFlowOnFirstUse(types.ModuleType):
+    """`tensorflow`, imported when first touched.
+
+    Off the TensorFlow backend nothing should import TensorFlow (it takes
+    seconds and, on a GPU, memory): modules that need it for their
+    TensorFlow path keep `from keras_mgpu._flavour import tf`, and only that
+    path pays for the import (a `tf.data` input on JAX, say).
+    """
+
+    def __init__(self) -> None:
+        super().__init__("tensorflow")
+
+    def __getattr__(self, name: str):
+        import tensorflow
+
+        return getattr(tensorflow, name)
+
+
+#: Whether TensorFlow runs the models (Keras 3 on TensorFlow, or tf_keras).
+TF_RUNS: bool = IS_TF_KERAS or keras.backend.backend() == "tensorflow"
+
+if TF_RUNS:
+    import tensorflow as tf  # noqa: F401
+else:
+    tf = _TensorFlowOnFirstUse()
+
+
+def do_not_convert(function):
+    """`tf.autograph.experimental.do_not_convert` where TensorFlow runs
+    (AutoGraph would rewrite a function that reads the Python stack or
+    mutates Python state); `function` itself elsewhere."""
+    if not TF_RUNS:
+        return function
+    return tf.autograph.experimental.do_not_convert(function)
 
 
 def object_flavour(obj: object) -> str | None:
@@ -142,7 +173,13 @@ def register_in_every_flavour(cls):
 
 
 def _tf_keras_if_installed():
+    """tf_keras when installed and TensorFlow runs; None otherwise (on
+    Keras's JAX backend importing tf_keras would import TensorFlow for
+    nothing: no tf_keras model can run beside it there)."""
     import importlib.util
+
+    if not TF_RUNS:
+        return None
 
     if importlib.util.find_spec("tf_keras") is None:
         return None

@@ -22,16 +22,45 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-# The 4 logical CPU devices come from keras_mgpu.testing, activated by
-# `keras_mgpu_cpu_devices = 4` in pyproject.toml (before this file runs).
+# Each backend runs in pytest processes of its own (tests/run_suite.py):
+# KERAS_BACKEND=jax collects only the `test_*_jax.py` modules (they mirror the
+# package layout beside the TensorFlow tests); the TensorFlow runs skip them.
+BACKEND = os.environ["KERAS_BACKEND"]
 NUM_LOGICAL_CPUS = 4
-if len(tf.config.list_logical_devices("CPU")) != NUM_LOGICAL_CPUS:
-    raise RuntimeError(
-        "tests/ need keras_mgpu.testing's 4 logical CPU devices: install "
-        "keras_mgpu (pip install -e .) so its pytest plugin is registered."
-    )
+
+if BACKEND == "jax":
+    import jax  # noqa: E402
+
+    # The 4 CPU devices come from keras_mgpu.testing (XLA_FLAGS set before
+    # JAX starts), activated by `keras_mgpu_cpu_devices = 4`.
+    if len(jax.devices("cpu")) != NUM_LOGICAL_CPUS:
+        raise RuntimeError(
+            "tests/ need keras_mgpu.testing's 4 CPU devices: install "
+            "keras_mgpu (pip install -e .) so its pytest plugin is registered."
+        )
+else:
+    import tensorflow as tf  # noqa: E402
+
+    # The 4 logical CPU devices come from keras_mgpu.testing, activated by
+    # `keras_mgpu_cpu_devices = 4` in pyproject.toml (before this file runs).
+    if len(tf.config.list_logical_devices("CPU")) != NUM_LOGICAL_CPUS:
+        raise RuntimeError(
+            "tests/ need keras_mgpu.testing's 4 logical CPU devices: install "
+            "keras_mgpu (pip install -e .) so its pytest plugin is "
+            "registered."
+        )
+
+
+def pytest_ignore_collect(collection_path, config):
+    """One backend's test modules per process: `*_jax.py` on JAX only."""
+    name = collection_path.name
+    if not (name.startswith("test_") and name.endswith(".py")):
+        return None
+    if name.endswith("_jax.py") != (BACKEND == "jax"):
+        return True
+    return None
+
 
 sys.path.insert(0, os.path.dirname(__file__))
 

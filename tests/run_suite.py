@@ -179,13 +179,26 @@ def _pytest_arguments() -> list[str]:
 
 
 def main() -> int:
-    runs = [("keras3", {"TF_USE_LEGACY_KERAS": "0"}, ["tests"])]
+    runs = [
+        ("keras3", {"TF_USE_LEGACY_KERAS": "0", "KERAS_BACKEND": "tensorflow"},
+         ["tests"]),
+        # Keras 3 on JAX: the `test_*_jax.py` modules (tests/conftest.py
+        # collects only those when KERAS_BACKEND=jax), 4 CPU devices.
+        ("jax", {"TF_USE_LEGACY_KERAS": "0", "KERAS_BACKEND": "jax"},
+         ["tests"]),
+    ]
     if not QUICK:
         runs.append(
             ("tf_keras", {"TF_USE_LEGACY_KERAS": "1"}, ["tests/legacy"])
         )
     if not QUICK and os.environ.get("KERAS_MGPU_SKIP_OLDEST") != "1":
-        runs.append(("oldest", {"TF_USE_LEGACY_KERAS": "0"}, OLDEST_TESTS))
+        runs.append(
+            (
+                "oldest",
+                {"TF_USE_LEGACY_KERAS": "0", "KERAS_BACKEND": "tensorflow"},
+                OLDEST_TESTS,
+            )
+        )
     failed_runs = 0
     total = {"passed": 0, "failed": 0, "skipped": 0}
     for label, env, paths in runs:

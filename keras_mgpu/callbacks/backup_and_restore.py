@@ -11,7 +11,7 @@ import tempfile
 import uuid
 from typing import Any
 
-from keras_mgpu._flavour import object_flavour
+from keras_mgpu._flavour import _tf_keras_if_installed, object_flavour
 
 _METADATA = "training_metadata.json"
 _FORMAT = 2  # our metadata: a pointer with the file's SHA-256
@@ -28,13 +28,8 @@ def _tf_keras_callback_base() -> tuple:
     """tf_keras's Callback protocol, when tf_keras is installed: lets this
     callback also run in a tf_keras `fit` (it then hands every hook to
     tf_keras's own, multi-worker safe, BackupAndRestore)."""
-    import importlib.util
-
-    if importlib.util.find_spec("tf_keras") is None:
-        return ()
-    import tf_keras
-
-    return (tf_keras.callbacks.Callback,)
+    tf_keras = _tf_keras_if_installed()
+    return () if tf_keras is None else (tf_keras.callbacks.Callback,)
 
 
 class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from keras_mgpu._flavour import IS_TF_KERAS, keras, tf
+from keras_mgpu.backend import require_backend
 
 _TFMOT_HINT = (
     "Install TensorFlow Model Optimization with: "
@@ -91,6 +92,7 @@ class PruningStepSync(keras.callbacks.Callback):
     """
 
     def __init__(self) -> None:
+        require_backend("PruningStepSync", ("tensorflow",))
         if not IS_TF_KERAS:
             raise RuntimeError(
                 "PruningStepSync works with TensorFlow Model Optimization, "

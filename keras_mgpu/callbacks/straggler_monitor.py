@@ -9,6 +9,7 @@ from typing import Any
 
 from keras_mgpu._flavour import callback_bases
 from keras_mgpu._validation import check_number
+from keras_mgpu.backend import ON_JAX_STRAGGLER, require_backend
 from keras_mgpu.monitoring.notices import Notices
 from keras_mgpu.monitoring.sampler import training_frame
 
@@ -60,6 +61,11 @@ class StragglerMonitor(*callback_bases()):
     """
 
     def __init__(self, *, warn_ratio: float | None = 1.25) -> None:
+        require_backend(
+            "StragglerMonitor",
+            ("tensorflow",),
+            instead=ON_JAX_STRAGGLER,
+        )
         super().__init__()
         self.warn_ratio = check_number(
             warn_ratio,

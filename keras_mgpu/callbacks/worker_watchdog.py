@@ -10,6 +10,7 @@ from typing import Any
 
 from keras_mgpu._flavour import callback_bases
 from keras_mgpu._validation import check_number
+from keras_mgpu.backend import ON_JAX_WATCHDOG, require_backend
 from keras_mgpu.monitoring.notices import Notices
 from keras_mgpu.monitoring.sampler import _frame_on_stack, training_frame
 
@@ -85,6 +86,11 @@ class WorkerWatchdog(*callback_bases()):
     def __init__(
         self, *, timeout: float = 300.0, heartbeat_interval: float = 1.0
     ) -> None:
+        require_backend(
+            "WorkerWatchdog",
+            ("tensorflow",),
+            instead=ON_JAX_WATCHDOG,
+        )
         super().__init__()
         self.timeout = check_number(
             timeout, "timeout", minimum=0.0, exclusive_minimum=True

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from keras_mgpu._flavour import tf
+from keras_mgpu.backend import require_backend
 
 
 def _distributed_value_classes() -> tuple[type, type]:
@@ -62,6 +63,7 @@ class CrossDeviceByteCounter:
     """
 
     def __init__(self, strategy: tf.distribute.Strategy, capacity: int = 512):
+        require_backend("CrossDeviceByteCounter", ("tensorflow",))
         if tf.distribute.has_strategy():
             raise ValueError(
                 "Create the CrossDeviceByteCounter outside `strategy.scope()`:"

@@ -7,6 +7,7 @@ from typing import Any
 
 from keras_mgpu._flavour import tf
 from keras_mgpu._validation import check_choice
+from keras_mgpu.backend import ON_JAX_NO_COMPRESSION, require_backend
 from keras_mgpu.compression.base import GradientCompression, Reduction
 from keras_mgpu.compression.reduce import all_reduce_sum
 
@@ -90,6 +91,11 @@ class FloatCompression(GradientCompression):
     """
 
     def __init__(self, dtype: str = "float16") -> None:
+        require_backend(
+            "FloatCompression",
+            ("tensorflow",),
+            instead=ON_JAX_NO_COMPRESSION,
+        )
         self.dtype = check_choice(dtype, "dtype", ("float16", "bfloat16"))
         self.method = self.dtype
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from keras_mgpu._flavour import tf
 from keras_mgpu._validation import check_int, check_number
+from keras_mgpu.backend import ON_JAX_NO_COMPRESSION, require_backend
 from keras_mgpu.compression.base import (
     GradientCompression,
     Reduction,
@@ -109,6 +110,11 @@ class PowerSGD(GradientCompression):
         min_compression_rate: float = 2.0,
         seed: int = 0,
     ) -> None:
+        require_backend(
+            "PowerSGD",
+            ("tensorflow",),
+            instead=ON_JAX_NO_COMPRESSION,
+        )
         self.rank = check_int(rank, "rank", minimum=1)
         self.start_after_updates = check_int(
             start_after_updates, "start_after_updates", minimum=0

@@ -74,6 +74,7 @@ import threading
 import warnings
 from typing import Any
 
+from keras_mgpu.backend import ON_JAX_MULTI_PROCESS, require_backend
 from keras_mgpu.distribute.fit_warnings import MultiWorkerFitWarning
 
 # Keras versions whose code this fix was read from and tested with. What
@@ -169,6 +170,11 @@ def enable_multi_worker_fit() -> bool:
     model.fit(dataset, epochs=2)
     ```
     """
+    require_backend(
+        "enable_multi_worker_fit",
+        ("tensorflow",),
+        instead=ON_JAX_MULTI_PROCESS,
+    )
     keras = _keras3()
     if keras is None:
         return False

@@ -1,8 +1,10 @@
 """Strategy helpers: replicas in sync, global batch size, worker identity.
 
-These read the `tf.distribute` strategy in scope (or the one given), so the
-same code gives the right figures on one device, under `MirroredStrategy`,
-and on every worker of a `MultiWorkerMirroredStrategy` cluster.
+On TensorFlow these read the `tf.distribute` strategy in scope (or the one
+given), so the same code gives the right figures on one device, under
+`MirroredStrategy`, and on every worker of a `MultiWorkerMirroredStrategy`
+cluster. On JAX they read the `keras.distribution` in force (or the one given
+as `strategy`): its data-parallel size counts every process's devices.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 from typing import Any
 
+from keras_mgpu import backend
 from keras_mgpu._flavour import tf
 from keras_mgpu._validation import check_int
 
@@ -18,7 +21,14 @@ from keras_mgpu._validation import check_int
 def current_strategy(
     strategy: tf.distribute.Strategy | None = None,
 ) -> tf.distribute.Strategy:
-    """The strategy given, or the one in scope (default strategy if none)."""
+    """The strategy given, or the one in scope (default strategy if none).
+
+    On JAX: the `keras.distribution` given, or the one in force (None).
+    """
+    if backend.is_jax():
+        from keras_mgpu.backend.jax import distribution
+
+        return distribution.current_distribution(strategy)
     return strategy if strategy is not None else tf.distribute.get_strategy()
 
 
@@ -27,8 +37,14 @@ def num_replicas_in_sync(strategy: tf.distribute.Strategy | None = None) -> int:
 
     Under `MultiWorkerMirroredStrategy` this counts the replicas of every
     worker. Under `ParameterServerStrategy`, each worker steps on its own, so
-    one step covers one replica's batch: this returns 1 there.
+    one step covers one replica's batch: this returns 1 there. On JAX: the
+    size of the batch axis of the `keras.distribution`'s mesh (every device
+    for `DataParallel`, across processes; 1 without a distribution).
     """
+    if backend.is_jax():
+        from keras_mgpu.backend.jax import distribution
+
+        return distribution.data_parallel_size(strategy)
     strategy = current_strategy(strategy)
     if strategy_kind(strategy) == "parameter_server":
         return 1
@@ -95,8 +111,13 @@ def strategy_kind(strategy: tf.distribute.Strategy | None = None) -> str:
     """A short name for the strategy's kind.
 
     One of "default", "one_device", "mirrored", "central_storage",
-    "multi_worker_mirrored", "parameter_server", "tpu" or "other".
+    "multi_worker_mirrored", "parameter_server", "tpu" or "other". On JAX:
+    "default", "data_parallel", "model_parallel" or "other".
     """
+    if backend.is_jax():
+        from keras_mgpu.backend.jax import distribution
+
+        return distribution.distribution_kind(strategy)
     strategy = current_strategy(strategy)
     name = type(strategy).__name__
     if not tf.distribute.has_strategy() and strategy is (
@@ -126,7 +147,9 @@ def is_multi_worker(strategy: tf.distribute.Strategy | None = None) -> bool:
     """Whether `strategy` runs synchronous replicas in several worker
     processes (a `MultiWorkerMirroredStrategy` cluster of 2+ workers, seen
     from one of its members: an `evaluator` task trains nothing with the
-    others)."""
+    others). On JAX: whether JAX runs several processes."""
+    if backend.is_jax():
+        return worker_info(strategy)["num_workers"] > 1
     strategy = current_strategy(strategy)
     if strategy_kind(strategy) != "multi_worker_mirrored":
         return False
@@ -154,7 +177,16 @@ def worker_info(
     - `is_chief`: True on the single process of a one-machine run, on the
       `chief` task, and on `worker:0` of a cluster without a chief;
     - `task_name`: "chief:0", "worker:1", ... ("local" on one machine).
+
+    On JAX the processes of `jax.distributed` (started by
+    `keras.distribution.initialize`): `rank` is `jax.process_index()`,
+    `num_workers` `jax.process_count()`, process 0 the chief, `task_name`
+    "process:1" ("local" for one process).
     """
+    if backend.is_jax():
+        from keras_mgpu.backend.jax import distribution
+
+        return distribution.process_info()
     strategy = current_strategy(strategy)
     task_type, task_id, cluster = _cluster_of(strategy)
     return task_identity(cluster, task_type, task_id)

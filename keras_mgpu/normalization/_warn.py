@@ -224,9 +224,9 @@ def _plain_python(function: Any) -> Any:
     """Keep AutoGraph from converting `function` when an optimizer applies
     gradients inside a user's `tf.function`: it reads the Python stack,
     which a converted copy does not see as written."""
-    from keras_mgpu._flavour import tf
+    from keras_mgpu._flavour import do_not_convert
 
-    return tf.autograph.experimental.do_not_convert(function)
+    return do_not_convert(function)
 
 
 @_plain_python

@@ -30,6 +30,7 @@ from typing import Any
 
 from keras_mgpu._flavour import (
     FLAVOUR,
+    do_not_convert,
     flavour_of,
     keras_of,
     object_flavour,
@@ -200,7 +201,7 @@ class _WindowStatisticsMixin:
         config["statistics"] = self.__dict__[_STATISTICS]
         return config
 
-    @tf.autograph.experimental.do_not_convert
+    @do_not_convert
     def call(self, inputs, training=None, mask=None):
         state = self.__dict__.get(_STATE)
         active = _training_value(self, training)

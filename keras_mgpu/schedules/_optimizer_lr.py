@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_mgpu._flavour import flavour_of, keras, tf
+from keras_mgpu._flavour import TF_RUNS, flavour_of, keras, tf
 from keras_mgpu.schedules.warmup import is_schedule, ramp_value
 
 
@@ -176,7 +176,8 @@ def _convert(value, dtype=None, name=None, as_ref=False):
 
 
 # tf_keras optimizers cast `self.learning_rate` (our object) to a tensor.
-tf.register_tensor_conversion_function(LearningRateWrapper, _convert)
+if TF_RUNS:
+    tf.register_tensor_conversion_function(LearningRateWrapper, _convert)
 
 
 class ScaleWrapper(LearningRateWrapper):

@@ -1,0 +1,98 @@
+"""keras_mgpu on Keras's JAX backend: imports, refusals, distribution reads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import keras
+import pytest
+
+import keras_mgpu
+from keras_mgpu.backend import BackendNotSupportedError
+
+
+def test_the_backend_is_jax():
+    assert keras_mgpu.backend.backend() == "jax"
+    assert keras_mgpu.backend.is_jax()
+
+
+def test_importing_every_module_leaves_tensorflow_alone():
+    code = (
+        "import sys, keras_mgpu\n"
+        "for m in keras_mgpu._SUBMODULES: getattr(keras_mgpu, m)\n"
+        "import keras_mgpu.testing, keras_mgpu.backend.jax.distribution\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('tensorflow', 'tf_keras'))\n"
+        "print(bad[:5]); sys.exit(1 if bad else 0)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "build, instead",
+    [
+        (lambda: keras_mgpu.compression.PowerSGD(), "without compression"),
+        (lambda: keras_mgpu.compression.FloatCompression(), "compression"),
+        (
+            lambda: keras_mgpu.apply_placement(keras.Sequential()),
+            "ModelParallel",
+        ),
+        (
+            lambda: keras_mgpu.placement_report(keras.Sequential()),
+            "ModelParallel",
+        ),
+        (
+            lambda: keras_mgpu.distribute.enable_multi_worker_fit(),
+            "keras.distribution.initialize",
+        ),
+        (lambda: keras_mgpu.callbacks.PruningStepSync(), None),
+    ],
+)
+def test_tensorflow_only_components_refuse_at_construction(build, instead):
+    with pytest.raises(BackendNotSupportedError, match="'jax' backend") as e:
+        build()
+    assert "Supported: 'tensorflow'" in str(e.value)
+    if instead:
+        assert instead in str(e.value)
+
+
+def test_replicas_follow_the_distribution_in_force():
+    devices = keras.distribution.list_devices("cpu")
+    assert keras_mgpu.num_replicas_in_sync() == 1
+    assert keras_mgpu.distribute.strategy_kind() == "default"
+    data_parallel = keras.distribution.DataParallel(devices=devices)
+    assert keras_mgpu.num_replicas_in_sync(data_parallel) == 4
+    with data_parallel.scope():
+        assert keras_mgpu.num_replicas_in_sync() == 4
+        assert keras_mgpu.global_batch_size(8, accumulation_steps=2) == 64
+        assert keras_mgpu.distribute.strategy_kind() == "data_parallel"
+    mesh = keras.distribution.DeviceMesh(
+        (2, 2), ["batch", "model"], devices=devices
+    )
+    model_parallel = keras.distribution.ModelParallel(
+        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch"
+    )
+    assert keras_mgpu.num_replicas_in_sync(model_parallel) == 2
+    assert keras_mgpu.distribute.strategy_kind(model_parallel) == (
+        "model_parallel"
+    )
+    # Without `batch_dim_name`, Keras splits the batch along the mesh's
+    # first axis, whatever its name.
+    only_model = keras.distribution.DeviceMesh((4,), ["model"], devices)
+    layout_map = keras.distribution.LayoutMap(only_model)
+    implicit = keras.distribution.ModelParallel(layout_map=layout_map)
+    assert keras_mgpu.num_replicas_in_sync(implicit) == 4
+
+
+def test_worker_info_of_one_process():
+    info = keras_mgpu.distribute.worker_info()
+    assert info["rank"] == 0 and info["num_workers"] == 1
+    assert info["is_chief"] and info["task_name"] == "local"
+    assert not keras_mgpu.distribute.is_multi_worker()
