@@ -1,9 +1,11 @@
 """keras_mgpu: drop-in Keras components for training on many devices.
 
-Gradient accumulation that is exact under `tf.distribute`, learning-rate
-scaling and warmup counted in optimizer updates, memory and GPU-load monitors
-that log next to the loss, and a recompute-gradient layer wrapper. Built on
-Keras 3 (TensorFlow backend), or on tf_keras when `TF_USE_LEGACY_KERAS=1`.
+Gradient accumulation that is exact under `tf.distribute` and
+`keras.distribution`, learning-rate scaling and warmup counted in optimizer
+updates, memory and GPU-load monitors that log next to the loss, and
+gradient checkpointing. Built on Keras 3 (TensorFlow or JAX backend), or on
+tf_keras when `TF_USE_LEGACY_KERAS=1`; `keras_mgpu.backend` says which
+components run on which backend.
 
 The names below are loaded on first use (PEP 562), so `import keras_mgpu`
 and the `keras-mgpu` command line start without TensorFlow; the Keras flavour
@@ -38,6 +40,7 @@ _EXPORTS = {
     "strip_recompute": "keras_mgpu.layers",
 }
 _SUBMODULES = (
+    "backend",
     "batch_size",
     "callbacks",
     "compression",
@@ -54,6 +57,7 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
 if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
     from keras_mgpu import (
+        backend,  # noqa: F401
         batch_size,  # noqa: F401
         callbacks,  # noqa: F401
         compression,  # noqa: F401

@@ -16,6 +16,7 @@ LISTING = os.path.join(
 )
 PACKAGES = (
     "keras_mgpu",
+    "keras_mgpu.backend",
     "keras_mgpu.batch_size",
     "keras_mgpu.callbacks",
     "keras_mgpu.compression",

@@ -18,6 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+__all__ = [
+    "SUPPORTED_BACKENDS",
+    "BackendNotSupportedError",
+    "backend",
+    "is_jax",
+    "is_tensorflow",
+    "require_backend",
+]
+
 #: The backends keras_mgpu supports at all. Torch, numpy and openvino are
 #: refused by every component (Keras's torch backend distribution lands in
 #: 3.16; its CPU wheels pull the CUDA libraries).
