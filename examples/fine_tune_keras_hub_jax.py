@@ -1,0 +1,189 @@
+"""Fine-tuning a keras-hub BERT classifier on several devices, on JAX.
+
+The JAX twin of `fine_tune_keras_hub.py`: Keras 3 on the JAX backend, where
+`keras.distribution.DataParallel` plays the part of `MirroredStrategy` (every
+GPU, or 2 CPU devices without one), trained with `model.fit` and
+
+- in-place recompute (`keras_mgpu.apply_recompute`): every
+  `TransformerEncoder` of the backbone recomputes its activations in the
+  backward pass (`jax.checkpoint`, Dropout masks identical); the model stays
+  a `BertBackbone` inside your classifier;
+- gradient accumulation (`GradientAccumulationOptimizer`): 4 micro-batches
+  per update, the schedule and `iterations` counted in updates;
+- learning-rate warmup (`LearningRateWarmup`) over the first updates;
+- `MemoryMonitor`: device memory (`memory_stats()` on GPUs, the host's on
+  CPU) in the logs.
+
+By default the backbone is built from a configuration with random weights
+(no download) on synthetic data: the run shows the mechanics, not BERT's
+accuracy. `--preset bert_base_en_uncased` downloads pretrained weights.
+
+Run:
+    KERAS_BACKEND=jax python examples/fine_tune_keras_hub_jax.py
+    KERAS_BACKEND=jax python examples/fine_tune_keras_hub_jax.py --quick
+
+Needs JAX and keras-hub: `pip install "keras-mgpu[jax,hub]"`.
+"""
+
+import argparse
+import os
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--quick", action="store_true", help="tiny run")
+parser.add_argument("--epochs", type=int, default=None)
+parser.add_argument("--cpu-devices", type=int, default=2)
+parser.add_argument(
+    "--preset", default=None, help="a keras-hub BERT preset (downloads)"
+)
+args = parser.parse_args()
+
+# Before JAX starts: the backend, CPU devices (used only without a GPU), and
+# no preallocation of GPU memory, so MemoryMonitor's figures mean something.
+os.environ["KERAS_BACKEND"] = "jax"
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={args.cpu_devices}"
+)
+
+import keras  # noqa: E402
+import keras_hub  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_mgpu  # noqa: E402
+from keras_mgpu.callbacks import LearningRateWarmup, MemoryMonitor  # noqa: E402
+
+if args.quick:  # a toy BERT, to see every piece work in seconds
+    SIZES = dict(
+        vocabulary_size=64,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=16,
+    )
+    SEQUENCE_LENGTH, SAMPLES, PER_DEVICE_BATCH = 16, 256, 8
+else:  # BERT-small sized; real fine-tuning starts from a preset
+    SIZES = dict(
+        vocabulary_size=30522,
+        num_layers=4,
+        num_heads=8,
+        hidden_dim=512,
+        intermediate_dim=2048,
+        max_sequence_length=128,
+    )
+    SEQUENCE_LENGTH, SAMPLES, PER_DEVICE_BATCH = 128, 8192, 16
+VOCABULARY = SIZES["vocabulary_size"]
+ACCUMULATION_STEPS = 4  # micro-batches per update
+LEARNING_RATE = 1e-3 if args.quick else 5e-5
+EPOCHS = args.epochs or (2 if args.quick else 3)
+NUM_CLASSES = 2
+
+
+def make_data(samples, seed=0):
+    """Replace with your tokenized data (keras_hub.models.BertTokenizer).
+
+    Synthetic sentences of random length; the label says whether the
+    "marker" token 5 occurs in the sentence.
+    """
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(SEQUENCE_LENGTH // 2, SEQUENCE_LENGTH + 1, samples)
+    padding = np.arange(SEQUENCE_LENGTH)[None, :] < lengths[:, None]
+    tokens = rng.integers(6, VOCABULARY, (samples, SEQUENCE_LENGTH))
+    labels = rng.integers(0, NUM_CLASSES, samples)
+    where = rng.integers(1, SEQUENCE_LENGTH // 2, samples)
+    tokens[labels == 1, where[labels == 1]] = 5
+    tokens[:, 0] = 2  # [CLS]
+    features = {
+        "token_ids": (tokens * padding).astype("int32"),
+        "segment_ids": np.zeros_like(tokens, dtype="int32"),
+        "padding_mask": padding.astype("int32"),
+    }
+    return features, labels.astype("int32")
+
+
+def build_classifier():
+    """Your classifier around a keras-hub backbone."""
+    if args.preset:
+        backbone = keras_hub.models.BertBackbone.from_preset(args.preset)
+    else:
+        backbone = keras_hub.models.BertBackbone(**SIZES, dropout=0.1)
+    inputs = {
+        name: keras.Input((None,), dtype="int32", name=name)
+        for name in ("token_ids", "segment_ids", "padding_mask")
+    }
+    pooled = backbone(inputs)["pooled_output"]
+    pooled = keras.layers.Dropout(0.1)(pooled)
+    outputs = keras.layers.Dense(NUM_CLASSES, name="head")(pooled)
+    return keras.Model(inputs, outputs, name="classifier")
+
+
+# Every GPU, else the CPU devices asked for above.
+devices = keras.distribution.list_devices("gpu") or (
+    keras.distribution.list_devices("cpu")
+)
+distribution = keras.distribution.DataParallel(devices=devices)
+replicas = keras_mgpu.num_replicas_in_sync(distribution)
+print(f"backend: {keras.backend.backend()}")
+print(f"{replicas} devices: {devices}")
+
+keras.utils.set_random_seed(0)
+x, y = make_data(SAMPLES)
+x_val, y_val = make_data(SAMPLES // 4, seed=1)
+# Variables are laid out on the mesh when they are created: build (and
+# compile) inside the distribution's scope.
+with distribution.scope():
+    model = build_classifier()
+    # In place: the encoder layers inside the backbone are switched to
+    # recompute; `model` and its BertBackbone stay the same objects.
+    keras_mgpu.apply_recompute(model, keras_hub.layers.TransformerEncoder)
+    model.compile(
+        optimizer=keras_mgpu.GradientAccumulationOptimizer(
+            keras.optimizers.AdamW(LEARNING_RATE, weight_decay=0.01),
+            ACCUMULATION_STEPS,
+        ),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    recomputed = keras_mgpu.recomputed_layers(model)
+    backbone_class = next(
+        type(layer).__name__
+        for layer in model.layers
+        if isinstance(layer, keras_hub.models.Backbone)
+    )
+    print(
+        f"recomputed layers: {len(recomputed)} "
+        f"({', '.join(layer.name for layer in recomputed)}) in "
+        f"the {backbone_class} of model {model.name!r}"
+    )
+    global_batch = PER_DEVICE_BATCH * replicas * ACCUMULATION_STEPS
+    print(
+        f"global batch {global_batch} = {PER_DEVICE_BATCH} per device x "
+        f"{replicas} devices x {ACCUMULATION_STEPS} steps"
+    )
+    updates_per_epoch = SAMPLES // (PER_DEVICE_BATCH * replicas)
+    updates_per_epoch //= ACCUMULATION_STEPS
+    history = model.fit(
+        x,
+        y,
+        batch_size=PER_DEVICE_BATCH * replicas,  # one micro-step, all devices
+        epochs=EPOCHS,
+        validation_data=None if args.quick else (x_val, y_val),
+        verbose=2,
+        callbacks=[
+            # Warm up over 10% of the updates (counted in optimizer
+            # updates, not micro-steps).
+            LearningRateWarmup(
+                warmup_steps=max(1, EPOCHS * updates_per_epoch // 10)
+            ),
+            MemoryMonitor(),
+        ],
+    )
+print(f"updates: {int(keras.ops.convert_to_numpy(model.optimizer.iterations))}")
+print(f"first epoch loss: {history.history['loss'][0]:.4f}")
+print(f"final loss: {history.history['loss'][-1]:.4f}")
+memory_keys = sorted(k for k in history.history if "mem" in k)
+print(f"memory keys: {', '.join(memory_keys)}")
+if "val_accuracy" in history.history:
+    accuracy = history.history["val_accuracy"][-1]
+    print(f"final validation accuracy: {accuracy:.4f}")
