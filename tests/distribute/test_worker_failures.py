@@ -30,7 +30,6 @@ def killed(tmp_path_factory):
 def test_survivor_fails_in_bounded_time_naming_the_dead_worker(killed):
     dead, survivor = killed["first"][1], killed["first"][0]
     assert dead is None  # SIGKILLed
-    assert "UnavailableError" in survivor["error"]
     assert_names_the_killed_worker(survivor["error"])
     # Detected through stale heartbeats, well before the step timeout.
     assert survivor["failed_after"] < bodies.WATCHDOG_TIMEOUT + 2
