@@ -62,3 +62,32 @@ def test_the_readme_has_the_two_set_up_commands_first():
     assert len(lines) == 2
     assert lines[1].endswith("tests/run_suite.py")
     assert len(text.splitlines()) <= 200
+
+
+def _extras_closure(extras: set[str]) -> list[str]:
+    """Every requirement the extras pull from pyproject.toml, with the
+    extras they name in turn."""
+    import tomllib
+
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    requirements = list(project["dependencies"])
+    for extra in sorted(extras):
+        requirements += project["optional-dependencies"][extra]
+    return requirements
+
+
+def test_the_first_command_is_light_on_a_machine_without_a_gpu():
+    """The first command must not pull TensorFlow's CUDA wheels (about 7 GB,
+    cuBLAS alone 581 MB) on every Linux x86-64 machine; the GPU variant is
+    named right below the commands."""
+    text = open(README, encoding="utf-8").read()
+    first = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    install = first.splitlines()[0]
+    extras = set(
+        re.search(r'pip install "?\.\[([^\]]*)\]', install).group(1).split(",")
+    )
+    pulled = _extras_closure(extras)
+    assert not [r for r in pulled if "and-cuda" in r or "nvidia-" in r], pulled
+    after = text[text.index("```", text.index("```bash") + 3) :][:1500]
+    assert '".[demo,gpu]"' in after  # the GPU variant, right beside it
