@@ -1,5 +1,8 @@
 """Gradient accumulation as a Keras 3 optimizer wrapper, exact under
-`tf.distribute`."""
+`tf.distribute` (TensorFlow) and `keras.distribution` (JAX).
+
+The TensorFlow path lives here; what only JAX does is in
+`keras_mgpu/backend/jax/accumulation.py`, reached from `apply`."""
 
 from __future__ import annotations
 
@@ -304,6 +307,30 @@ class GradientAccumulationOptimizer(
     (`LossScaleOptimizer`, which `compile` adds around this wrapper) safe
     under `MirroredStrategy`, where Keras decides "finite?" per replica.
 
+    **On JAX (`keras.distribution`).** The jitted step is one program over
+    the device mesh, so the gradients handed to the wrapper are already the
+    global micro-batch's; the wrapper adds them to its accumulators and,
+    once per window, hands the mean to the inner optimizer's
+    `stateless_apply` inside a `keras.ops.cond` (`jax.lax.cond`: the update
+    runs only at the end of a window, not every micro-step as with Keras's
+    `gradient_accumulation_steps`). The inner optimizer's `iterations`,
+    schedule, clipping (on the global mean), weight decay and EMA advance
+    only there. Accumulators are made with `add_variable_from_reference`,
+    so they take each variable's layout: replicated under `DataParallel`,
+    sharded like their variable under `ModelParallel`. Works in `fit`
+    (`jit_compile` on or off, `steps_per_execution`) and in a custom loop
+    of `model.stateless_call` + `jax.grad` + `optimizer.stateless_apply`
+    inside `jax.jit`. Cross-device reductions: XLA reduces a gradient where
+    it is computed, before any optimizer sees it, so a micro-step that is
+    its own compiled call (every `fit` step; measured: one combined
+    all-reduce per step under `DataParallel`) costs one reduction, `K` per
+    update, as without accumulation. To reduce once per several
+    micro-batches, sum their gradients inside one compiled call (a
+    `jax.lax.scan` over micro-batches: XLA then reduces once, measured)
+    and hand the wrapper that call's mean as one micro-step.
+    `compression` and `momentum_correction` are TensorFlow only and refused
+    at construction on JAX.
+
     **EMA.** `use_ema=True` on the inner optimizer averages the weights
     once per update, in the inner's `apply`. The wrapper reads `use_ema`,
     `ema_momentum`, `ema_overwrite_frequency` and the averages from the
@@ -362,6 +389,7 @@ class GradientAccumulationOptimizer(
             effect only gradually. Use `accumulation_steps=1` to get the
             correction without accumulation. The last rate is kept in the
             optimizer variable `previous_learning_rate` (checkpointed).
+            TensorFlow only (refused on JAX).
         compression: None (default), "float16", "bfloat16", a
             `keras_mgpu.compression.PowerSGD(rank=...)` or another
             `keras_mgpu.compression.GradientCompression`: the form in which
@@ -369,7 +397,8 @@ class GradientAccumulationOptimizer(
             per update (a no-op with one replica). Clipping and the
             finiteness check apply to the decompressed mean; the method's
             state (PowerSGD residuals and factors) is optimizer variables.
-            See the compression guide.
+            See the compression guide. TensorFlow only (refused on JAX,
+            where XLA runs the step's reductions).
         name: Optional name; defaults to a name derived from the class.
 
     Example:
@@ -385,6 +414,24 @@ class GradientAccumulationOptimizer(
         ),
         loss="mse",
     )
+    ```
+
+    On JAX, under a `keras.distribution` (create the model and the
+    optimizer in its scope, so their variables take its layouts):
+
+    ```python
+    import keras
+    import keras_mgpu
+
+    distribution = keras.distribution.DataParallel()
+    with distribution.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(
+            optimizer=keras_mgpu.GradientAccumulationOptimizer(
+                keras.optimizers.Adam(1e-3), accumulation_steps=4
+            ),
+            loss="mse",
+        )
     ```
     """
 
