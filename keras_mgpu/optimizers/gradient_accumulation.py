@@ -102,24 +102,14 @@ def _uses_collective_all_reduce(strategy: tf.distribute.Strategy) -> bool:
     return type(ops).__name__ == "CollectiveAllReduce"
 
 
-def _check_jax_arguments(compression: Any, momentum_correction: bool) -> None:
-    """Off TensorFlow: refuse what the JAX path does not do, at
-    construction. Returns the compression method (None)."""
+def _check_jax_compression(compression: Any) -> None:
+    """Off TensorFlow: gradient compression is refused at construction
+    (XLA runs the step's reductions). Returns the method: None."""
     if compression is not None:
         require_backend(
             "GradientAccumulationOptimizer(compression=...)",
             ("tensorflow",),
             instead=ON_JAX_NO_COMPRESSION,
-        )
-    if momentum_correction:
-        require_backend(
-            "GradientAccumulationOptimizer(momentum_correction=True)",
-            ("tensorflow",),
-            instead=(
-                "GradientAccumulationOptimizer without momentum_correction "
-                "(a schedule on an optimizer whose rate is applied after "
-                "its moments, e.g. Adam, needs none)"
-            ),
         )
     return None
 
@@ -328,8 +318,7 @@ class GradientAccumulationOptimizer(
     micro-batches, sum their gradients inside one compiled call (a
     `jax.lax.scan` over micro-batches: XLA then reduces once, measured)
     and hand the wrapper that call's mean as one micro-step.
-    `compression` and `momentum_correction` are TensorFlow only and refused
-    at construction on JAX.
+    `compression` is TensorFlow only and refused at construction on JAX.
 
     **EMA.** `use_ema=True` on the inner optimizer averages the weights
     once per update, in the inner's `apply`. The wrapper reads `use_ema`,
@@ -389,7 +378,6 @@ class GradientAccumulationOptimizer(
             effect only gradually. Use `accumulation_steps=1` to get the
             correction without accumulation. The last rate is kept in the
             optimizer variable `previous_learning_rate` (checkpointed).
-            TensorFlow only (refused on JAX).
         compression: None (default), "float16", "bfloat16", a
             `keras_mgpu.compression.PowerSGD(rank=...)` or another
             `keras_mgpu.compression.GradientCompression`: the form in which
@@ -459,7 +447,7 @@ class GradientAccumulationOptimizer(
                 compression, tf.distribute.get_strategy()
             )
         else:
-            compression = _check_jax_arguments(compression, momentum_correction)
+            compression = _check_jax_compression(compression)
         super().__init__(learning_rate=0.0, name=name)
         self.momentum_correction = momentum_correction
         self.compression = compression
@@ -574,6 +562,13 @@ class GradientAccumulationOptimizer(
             aggregation="only_first_replica",
             name="skipped_updates",
         )
+        if self.momentum_correction:
+            self._previous_learning_rate = self.add_variable(
+                shape=(),
+                dtype="float32",
+                aggregation="only_first_replica",
+                name="previous_learning_rate",
+            )
         self._accumulators = [
             self.add_variable_from_reference(variable, name="accumulator")
             for variable in var_list

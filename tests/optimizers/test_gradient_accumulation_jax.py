@@ -528,14 +528,60 @@ def test_bad_arguments():
         GradientAccumulationOptimizer(scaled, 2)
 
 
-def test_tensorflow_only_arguments_refuse_on_jax():
-    inner = keras.optimizers.SGD(0.1, momentum=0.9)
-    for kwargs, instead in [
-        ({"compression": "float16"}, "without compression"),
-        ({"momentum_correction": True}, "without momentum_correction"),
-    ]:
-        with pytest.raises(
-            BackendNotSupportedError, match="'jax' backend"
-        ) as e:
-            GradientAccumulationOptimizer(inner, 2, **kwargs)
-        assert instead in str(e.value)
+def test_compression_refuses_on_jax():
+    with pytest.raises(BackendNotSupportedError, match="'jax' backend") as e:
+        GradientAccumulationOptimizer(
+            keras.optimizers.SGD(), 2, compression="float16"
+        )
+    assert "without compression" in str(e.value)
+    with pytest.raises(ValueError, match="needs an SGD inner optimizer"):
+        GradientAccumulationOptimizer(
+            keras.optimizers.Adam(), 2, momentum_correction=True
+        )
+
+
+# ----------------------------------------------------------------------
+# Momentum correction (Goyal et al.) against its closed form
+# ----------------------------------------------------------------------
+def test_momentum_correction_matches_rate_free_momentum():
+    """`u = m*u + g; w -= lr_t*u` (float64) on a linear model, the rate
+    changing at most updates, under DataParallel(4) with accumulation."""
+    momentum, updates, micro = 0.9, 5, 16
+    rates = keras.optimizers.schedules.PiecewiseConstantDecay(
+        [0, 1, 3], [0.01, 0.05, 0.1, 0.03]
+    )
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(updates * STEPS * micro, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1)) + 0.3).astype("float32")
+    with _data_parallel().scope():
+        model = keras.Sequential(
+            [
+                keras.Input((5,)),
+                keras.layers.Dense(1, kernel_initializer="zeros"),
+            ]
+        )
+        optimizer = GradientAccumulationOptimizer(
+            keras.optimizers.SGD(rates, momentum=momentum),
+            STEPS,
+            momentum_correction=True,
+        )
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, batch_size=micro, shuffle=False, verbose=0)
+    w, b = np.zeros((5, 1)), np.zeros((1,))
+    u_w, u_b = np.zeros_like(w), np.zeros_like(b)
+    large = STEPS * micro
+    for t in range(updates):
+        xb = x[t * large : (t + 1) * large].astype("float64")
+        error = xb @ w + b - y[t * large : (t + 1) * large]
+        u_w = momentum * u_w + 2.0 * xb.T @ error / large
+        u_b = momentum * u_b + 2.0 * error.sum(axis=0) / large
+        lr = float(rates(t))
+        w, b = w - lr * u_w, b - lr * u_b
+    weights = np.concatenate([v.ravel() for v in model.get_weights()])
+    np.testing.assert_allclose(
+        weights, np.concatenate([w.ravel(), b]), rtol=2e-5, atol=2e-6
+    )
+    assert int(optimizer.iterations) == updates
+    assert float(optimizer.previous_learning_rate) == pytest.approx(
+        float(rates(updates - 1))
+    )

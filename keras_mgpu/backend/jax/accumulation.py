@@ -19,7 +19,8 @@ One micro-step:
     micro-step's gradients, over `accumulation_steps`), and, if it is
     finite, hands it to the inner optimizer's `stateless_apply`; the inner
     optimizer's `iterations`, learning-rate schedule, clipping, weight
-    decay and EMA therefore advance only here, once per update. A
+    decay and EMA therefore advance only here, once per update (with
+    `momentum_correction`, the SGD velocity is rescaled here first). A
     non-finite mean skips the window (`skipped_updates`). The accumulators
     restart from zero.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import keras
 from keras import ops
 
 from keras_mgpu.optimizers._accumulation_common import (
@@ -69,6 +71,11 @@ def apply_accumulation(
     model_variables = list(inner._trainable_variables)
     model_values = [v.value for v in model_variables]
     inner_values = [v.value for v in inner.variables]
+    correcting = bool(optimizer.momentum_correction)
+    if correcting:
+        previous = optimizer._previous_learning_rate.value
+    else:  # a placeholder, so that both branches return the same structure
+        previous = ops.zeros((), dtype="float32")
     pending = ops.add(optimizer._pending_steps.value, 1)
     complete = ops.greater_equal(pending, steps)
 
@@ -79,7 +86,7 @@ def apply_accumulation(
         ]
 
     def hold():
-        return model_values, inner_values, totals(), _zero_int()
+        return model_values, inner_values, totals(), _zero_int(), previous
 
     def update():
         means = [
@@ -94,23 +101,28 @@ def apply_accumulation(
             inner_grads[index] = mean
 
         def apply_mean():
+            values, rate = inner_values, previous
+            if correcting:
+                values, rate = _correct_momentum(inner, inner_values, previous)
             new_model, new_inner = inner.stateless_apply(
-                inner_values, inner_grads, model_values
+                values, inner_grads, model_values
             )
-            return list(new_model), list(new_inner), _zero_int()
+            return list(new_model), list(new_inner), _zero_int(), rate
 
         def skip():
-            return model_values, inner_values, _one_int()
+            return model_values, inner_values, _one_int(), previous
 
-        new_model, new_inner, skipped = ops.cond(
+        new_model, new_inner, skipped, rate = ops.cond(
             _all_finite(means), apply_mean, skip
         )
         zeros = [ops.zeros_like(a) for a in accumulated]
-        return new_model, new_inner, zeros, skipped
+        return new_model, new_inner, zeros, skipped, rate
 
-    new_model, new_inner, new_accumulated, skipped = ops.cond(
+    new_model, new_inner, new_accumulated, skipped, rate = ops.cond(
         complete, update, hold
     )
+    if correcting:
+        optimizer._previous_learning_rate.assign(rate)
     for variable, value in zip(model_variables, new_model):
         variable.assign(value)
     for variable, value in zip(inner.variables, new_inner):
@@ -124,6 +136,31 @@ def apply_accumulation(
         ops.where(complete, ops.zeros_like(pending), pending)
     )
     optimizer._iterations.assign_add(1)
+
+
+def _correct_momentum(inner: Any, inner_values: list, previous: Any) -> tuple:
+    """Momentum correction (Goyal et al., 2017), as on TensorFlow: scale
+    the SGD velocity by `rate / previous_rate` before the update, so that
+    the step equals the rate-free form `u = m*u + g; w -= rate*u`. Returns
+    the inner optimizer's values with the velocities scaled, and the rate
+    of this update (evaluated as the inner optimizer will, at its update
+    count). The first update (previous rate 0) is left alone."""
+    mapping = list(zip(inner.variables, inner_values))
+    with keras.StatelessScope(state_mapping=mapping):
+        rate = ops.cast(inner._get_current_learning_rate(), "float32")
+    ratio = ops.where(
+        ops.greater(previous, 0.0),
+        ops.divide(rate, ops.where(ops.greater(previous, 0.0), previous, 1.0)),
+        1.0,
+    )
+    positions = {id(v): i for i, v in enumerate(inner.variables)}
+    values = list(inner_values)
+    for velocity in getattr(inner, "momentums", None) or ():
+        if velocity is None:
+            continue
+        index = positions[id(velocity)]
+        values[index] = values[index] * ops.cast(ratio, values[index].dtype)
+    return values, rate
 
 
 def _unscaled(grad: Any, scale: Any, is_max: bool) -> Any:
