@@ -482,6 +482,24 @@ def test_resume_mid_window_from_weights_under_data_parallel(
     assert _max_diff(model.get_weights(), large_batch("adam")) < TOLERANCE
 
 
+def test_eager_apply_and_missing_gradients():
+    """`apply` outside any jit or stateless scope (a stateful custom loop):
+    a variable without a gradient is left alone, with Keras's warning."""
+    model = _model()
+    optimizer = GradientAccumulationOptimizer(keras.optimizers.SGD(0.5), 2)
+    before = model.get_weights()
+    grads = [np.ones(v.shape, "float32") for v in model.trainable_variables]
+    grads[1] = None  # hidden/bias
+    for _ in range(2):
+        with pytest.warns(UserWarning, match="Gradients do not exist"):
+            optimizer.apply(grads, model.trainable_variables)
+    after = model.get_weights()
+    np.testing.assert_allclose(after[0], before[0] - 0.5, atol=1e-6)
+    np.testing.assert_array_equal(after[1], before[1])
+    assert int(optimizer.iterations) == 1
+    assert int(optimizer.pending_steps) == 0
+
+
 def test_config_round_trip():
     optimizer = GradientAccumulationOptimizer(
         keras.optimizers.AdamW(_schedule(), weight_decay=0.1), 3, name="acc"
