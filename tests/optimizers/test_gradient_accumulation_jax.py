@@ -410,12 +410,19 @@ def test_fit_reduces_every_micro_step():
     with dist.scope():
         hlo = _train_step_hlo(model, dist)
     assert _count_all_reduces(hlo) == 1
-    # The reduction runs before the optimizer's `cond`, outside it: every
-    # micro-step, not only at updates.
-    reduce_line = next(
-        line for line in hlo.splitlines() if "all-reduce(" in line
-    )
-    assert "conditional" not in reduce_line
+    # The (combined) all-reduce of the loss and every gradient runs in the
+    # step's main computation, every micro-step; the optimizer's update is
+    # a `conditional` of its own.
+    computation, reductions = None, []
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            computation = line
+        if re.search(r"= [^\n]*all-reduce\(", line):
+            reductions.append((computation, line))
+    ((computation, line),) = reductions
+    assert computation.startswith("ENTRY")
+    assert line.count("f32[") >= 1 + len(model.trainable_variables)
+    assert "conditional(" in hlo
 
 
 @pytest.mark.keras_limit
