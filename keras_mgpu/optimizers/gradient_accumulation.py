@@ -1,9 +1,13 @@
 """Gradient accumulation as a Keras 3 optimizer wrapper, exact under
-`tf.distribute`."""
+`tf.distribute` (TensorFlow) and `keras.distribution` (JAX).
+
+The TensorFlow path lives here; what only JAX does is in
+`keras_mgpu/backend/jax/accumulation.py`, reached from `apply`."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import threading
 import warnings
@@ -12,12 +16,17 @@ from typing import Any
 
 from keras_mgpu import compression as compression_lib
 from keras_mgpu._flavour import (
+    TF_RUNS,
     check_flavour,
     keras_of,
     register_serializable,
     tf,
 )
 from keras_mgpu._validation import check_int
+from keras_mgpu.backend import (
+    ON_JAX_NO_COMPRESSION,
+    require_backend,
+)
 from keras_mgpu.distribute import strategy_kind
 from keras_mgpu.normalization._warn import check_from_optimizer
 from keras_mgpu.optimizers._accumulation_common import (
@@ -91,6 +100,18 @@ def _uses_collective_all_reduce(strategy: tf.distribute.Strategy) -> bool:
     # device ops it was given, or its CollectiveAllReduce default, there.
     ops = getattr(strategy.extended, "_cross_device_ops", None)
     return type(ops).__name__ == "CollectiveAllReduce"
+
+
+def _check_jax_compression(compression: Any) -> None:
+    """Off TensorFlow: gradient compression is refused at construction
+    (XLA runs the step's reductions). Returns the method: None."""
+    if compression is not None:
+        require_backend(
+            "GradientAccumulationOptimizer(compression=...)",
+            ("tensorflow",),
+            instead=ON_JAX_NO_COMPRESSION,
+        )
+    return None
 
 
 def _check_keras_limits() -> None:
@@ -276,6 +297,29 @@ class GradientAccumulationOptimizer(
     (`LossScaleOptimizer`, which `compile` adds around this wrapper) safe
     under `MirroredStrategy`, where Keras decides "finite?" per replica.
 
+    **On JAX (`keras.distribution`).** The jitted step is one program over
+    the device mesh, so the gradients handed to the wrapper are already the
+    global micro-batch's; the wrapper adds them to its accumulators and,
+    once per window, hands the mean to the inner optimizer's
+    `stateless_apply` inside a `keras.ops.cond` (`jax.lax.cond`: the update
+    runs only at the end of a window, not every micro-step as with Keras's
+    `gradient_accumulation_steps`). The inner optimizer's `iterations`,
+    schedule, clipping (on the global mean), weight decay and EMA advance
+    only there. Accumulators are made with `add_variable_from_reference`,
+    so they take each variable's layout: replicated under `DataParallel`,
+    sharded like their variable under `ModelParallel`. Works in `fit`
+    (`jit_compile` on or off, `steps_per_execution`) and in a custom loop
+    of `model.stateless_call` + `jax.grad` + `optimizer.stateless_apply`
+    inside `jax.jit`. Cross-device reductions: XLA reduces a gradient where
+    it is computed, before any optimizer sees it, so a micro-step that is
+    its own compiled call (every `fit` step; measured: one combined
+    all-reduce per step under `DataParallel`) costs one reduction, `K` per
+    update, as without accumulation. To reduce once per several
+    micro-batches, sum their gradients inside one compiled call (a
+    `jax.lax.scan` over micro-batches: XLA then reduces once, measured)
+    and hand the wrapper that call's mean as one micro-step.
+    `compression` is TensorFlow only and refused at construction on JAX.
+
     **EMA.** `use_ema=True` on the inner optimizer averages the weights
     once per update, in the inner's `apply`. The wrapper reads `use_ema`,
     `ema_momentum`, `ema_overwrite_frequency` and the averages from the
@@ -341,7 +385,8 @@ class GradientAccumulationOptimizer(
             per update (a no-op with one replica). Clipping and the
             finiteness check apply to the decompressed mean; the method's
             state (PowerSGD residuals and factors) is optimizer variables.
-            See the compression guide.
+            See the compression guide. TensorFlow only (refused on JAX,
+            where XLA runs the step's reductions).
         name: Optional name; defaults to a name derived from the class.
 
     Example:
@@ -358,6 +403,24 @@ class GradientAccumulationOptimizer(
         loss="mse",
     )
     ```
+
+    On JAX, under a `keras.distribution` (create the model and the
+    optimizer in its scope, so their variables take its layouts):
+
+    ```python
+    import keras
+    import keras_mgpu
+
+    distribution = keras.distribution.DataParallel()
+    with distribution.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(
+            optimizer=keras_mgpu.GradientAccumulationOptimizer(
+                keras.optimizers.Adam(1e-3), accumulation_steps=4
+            ),
+            loss="mse",
+        )
+    ```
     """
 
     def __init__(
@@ -370,6 +433,7 @@ class GradientAccumulationOptimizer(
         compression: Any = None,
         **kwargs: Any,
     ) -> None:
+        require_backend("GradientAccumulationOptimizer")
         reject_wrapper_arguments(kwargs, _INNER_ONLY_ARGUMENTS)
         accumulation_steps = check_int(
             accumulation_steps, "accumulation_steps", minimum=1
@@ -378,9 +442,12 @@ class GradientAccumulationOptimizer(
         momentum_correction = check_momentum_correction(
             momentum_correction, inner_optimizer
         )
-        compression = check_compression(
-            compression, tf.distribute.get_strategy()
-        )
+        if TF_RUNS:
+            compression = check_compression(
+                compression, tf.distribute.get_strategy()
+            )
+        else:
+            compression = _check_jax_compression(compression)
         super().__init__(learning_rate=0.0, name=name)
         self.momentum_correction = momentum_correction
         self.compression = compression
@@ -435,6 +502,9 @@ class GradientAccumulationOptimizer(
             super().build(var_list)
         finally:
             self._building_own_state = False
+        if not TF_RUNS:
+            self._build_for_jax(var_list)
+            return
         # The wrapper's own `_iterations` counts micro-steps.
         self._pending_steps = self.add_variable(
             shape=(),
@@ -471,6 +541,40 @@ class GradientAccumulationOptimizer(
         self._accumulators_are_shared = bool(var_list) and not isinstance(
             self._accumulators[0].value, tf.distribute.DistributedValues
         )
+
+    def _build_for_jax(self, var_list: list) -> None:
+        """Counters and accumulators on JAX: plain optimizer variables.
+
+        Each accumulator is made by `add_variable_from_reference`, which
+        gives it its variable's layout under `keras.distribution`
+        (replicated under `DataParallel`, sharded like the variable under
+        `ModelParallel`). int32 counters: JAX without x64 has no int64.
+        """
+        self._pending_steps = self.add_variable(
+            shape=(),
+            dtype="int32",
+            aggregation="only_first_replica",
+            name="pending_steps",
+        )
+        self._skipped_updates = self.add_variable(
+            shape=(),
+            dtype="int32",
+            aggregation="only_first_replica",
+            name="skipped_updates",
+        )
+        if self.momentum_correction:
+            self._previous_learning_rate = self.add_variable(
+                shape=(),
+                dtype="float32",
+                aggregation="only_first_replica",
+                name="previous_learning_rate",
+            )
+        self._accumulators = [
+            self.add_variable_from_reference(variable, name="accumulator")
+            for variable in var_list
+        ]
+        self._compression_states = [() for _ in var_list]
+        self._accumulators_are_shared = False
 
     def _add_accumulator(self, reference: Any) -> Any:
         """One replica-local accumulator shaped like `reference`.
@@ -552,9 +656,15 @@ class GradientAccumulationOptimizer(
         return self.inner_optimizer._get_current_learning_rate()
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        raise NotImplementedError(
-            "GradientAccumulationOptimizer supports the TensorFlow backend "
-            "only, which has no stateless_apply."
+        """On JAX: `apply` in a `StatelessScope` (Keras's base method),
+        returning the new model and optimizer variable values."""
+        if TF_RUNS:
+            raise NotImplementedError(
+                "GradientAccumulationOptimizer.stateless_apply runs on the "
+                "JAX backend; on TensorFlow use `apply`."
+            )
+        return super().stateless_apply(
+            optimizer_variables, grads, trainable_variables
         )
 
     # ------------------------------------------------------------------
@@ -581,6 +691,9 @@ class GradientAccumulationOptimizer(
                 self.build(trainable_variables)
             self.built = True
         self._check_variables_are_known(trainable_variables)
+        if not TF_RUNS:
+            self._apply_on_jax(grads, trainable_variables)
+            return
         if tf.distribute.in_cross_replica_context():
             raise ValueError(
                 "GradientAccumulationOptimizer.apply() must be called in a "
@@ -610,6 +723,23 @@ class GradientAccumulationOptimizer(
         with keras.name_scope(self.name, caller=self):
             self._accumulate(grads, slots)
             self._step(slots)
+
+    def _apply_on_jax(self, grads: list, trainable_variables: list) -> None:
+        from keras_mgpu.backend.jax.accumulation import apply_accumulation
+
+        if len(grads) != len(trainable_variables):
+            raise ValueError(
+                f"Received {len(grads)} gradients for "
+                f"{len(trainable_variables)} variables: `grads` must match "
+                "`trainable_variables` one to one."
+            )
+        grads, trainable_variables = self._drop_missing(
+            grads, trainable_variables
+        )
+        if not grads:
+            raise ValueError("No gradients provided for any variable.")
+        with keras.name_scope(self.name, caller=self):
+            apply_accumulation(self, grads, trainable_variables)
 
     @staticmethod
     def _drop_missing(grads: list, variables: list) -> tuple:
@@ -786,7 +916,9 @@ class GradientAccumulationOptimizer(
 
     @classmethod
     def from_config(cls, config: dict, custom_objects=None):
-        config = dict(config)
+        # Deserializing replaces nested configs (a schedule's) with objects
+        # in place: work on a copy, so the caller's config stays a config.
+        config = copy.deepcopy(config)
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
