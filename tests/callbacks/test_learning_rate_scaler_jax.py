@@ -177,3 +177,36 @@ def test_needs_batch_size():
 def test_bad_input(kwargs, error, match):
     with pytest.raises(error, match=match):
         LearningRateScaler(**kwargs)
+
+
+@pytest.mark.keras_limit
+def test_keras_force_made_train_function_can_reuse_a_stale_trace():
+    """Keras limit (3.15, JAX 0.10): `make_train_function(force=True)`
+    jits `model.train_step` again, and JAX keys its trace cache on the
+    function by equality: while an earlier train function is alive, the new
+    one gets its trace back, with the Python-side learning rate it was
+    traced with. keras_mgpu's callbacks trace with a fresh function
+    (`keras_mgpu.backend.jax.train_function`). Fails once either retraces.
+    """
+
+    class Scaled:
+        def __init__(self, variable, factor):
+            self.variable, self.factor = variable, factor
+
+        def __call__(self):
+            return self.variable.value * self.factor
+
+    model = tiny_model()
+    optimizer = RecordingSGD(0.1)
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = data(1, 4)
+    model.fit(x, y, batch_size=4, verbose=0)  # builds the optimizer
+    variable = optimizer._learning_rate
+    kept = []
+    for factor in (2.0, 3.0):
+        optimizer._learning_rate = Scaled(variable, factor)
+        model.make_train_function(force=True)
+        kept.append(model.train_function)  # alive, as the callbacks keep it
+        model.fit(x, y, batch_size=4, verbose=0)
+    # The second fit ran with factor 2, not 3.
+    np.testing.assert_allclose(optimizer.recorded(), [0.1, 0.2, 0.2], rtol=1e-6)

@@ -20,8 +20,9 @@ from callbacks.lr_jax_helpers import (
     tiny_model,
 )
 
+from keras_mgpu.backend import BackendNotSupportedError
 from keras_mgpu.callbacks import LearningRateScaler, LearningRateWarmup
-from keras_mgpu.schedules import _optimizer_lr
+from keras_mgpu.schedules import Warmup, _optimizer_lr
 
 PER_REPLICA = 2
 UPDATES = 12
@@ -257,3 +258,19 @@ def test_warmup_epochs_needs_steps():
 def test_bad_input(kwargs, error, match):
     with pytest.raises(error, match=match):
         LearningRateWarmup(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: LearningRateWarmup(warmup_steps=2),
+        lambda: LearningRateScaler(base_batch_size=8),
+        lambda: Warmup(0.1, 2),
+    ],
+)
+def test_other_backends_are_refused_at_construction(monkeypatch, build):
+    import keras_mgpu.backend
+
+    monkeypatch.setattr(keras_mgpu.backend, "backend", lambda: "torch")
+    with pytest.raises(BackendNotSupportedError, match=r"'torch' backend"):
+        build()
