@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from keras_mgpu import backend
 from keras_mgpu._flavour import callback_bases
 from keras_mgpu._validation import (
     check_choice,
@@ -46,6 +47,12 @@ class LearningRateScaler(*callback_bases()):
     is the scaled rate (the variable receives it divided by the factor).
     Works through `LossScaleOptimizer` and `GradientAccumulationOptimizer`.
 
+    On JAX the replicas are the data-parallel size of the
+    `keras.distribution` in force when `fit` runs (every device for
+    `DataParallel`, the batch axis of a `ModelParallel` mesh, every
+    process's devices; 1 without a distribution), and the factor is a
+    constant of the jitted train step: a new factor compiles a new step.
+
     Keras's `fit` does not tell callbacks its batch size, so give either
     `batch_size` (the batch passed to `fit`: the global batch of one step,
     split across replicas) or `per_replica_batch_size`; a `batch_size` found
@@ -60,7 +67,7 @@ class LearningRateScaler(*callback_bases()):
         verbose: int, 0 (default, as Keras's callbacks) only logs the
             scaling (logger `keras_mgpu`); 1 also prints it once.
 
-    Example:
+    Example (TensorFlow):
 
     ```python
     strategy = tf.distribute.MirroredStrategy()
@@ -68,6 +75,19 @@ class LearningRateScaler(*callback_bases()):
         model = make_model()
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     model.fit(x, y, batch_size=64 * strategy.num_replicas_in_sync,
+              callbacks=[keras_mgpu.callbacks.LearningRateScaler(
+                  base_batch_size=256, per_replica_batch_size=64)])
+    ```
+
+    Example (JAX, `KERAS_BACKEND=jax`):
+
+    ```python
+    distribution = keras.distribution.DataParallel()
+    keras.distribution.set_distribution(distribution)
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    replicas = keras_mgpu.num_replicas_in_sync()  # every device
+    model.fit(x, y, batch_size=64 * replicas,
               callbacks=[keras_mgpu.callbacks.LearningRateScaler(
                   base_batch_size=256, per_replica_batch_size=64)])
     ```
@@ -83,6 +103,7 @@ class LearningRateScaler(*callback_bases()):
         verbose: int = 0,
         **deprecated: Any,
     ) -> None:
+        backend.require_backend("LearningRateScaler")
         super().__init__()
         scaling_rule = renamed_argument(
             "LearningRateScaler",
@@ -120,9 +141,17 @@ class LearningRateScaler(*callback_bases()):
         self._wrapper: _optimizer_lr.ScaleWrapper | None = None
         self._reported: tuple | None = None
 
+    def _strategy(self) -> Any:
+        """The model's `tf.distribute` strategy; on JAX None, which the
+        `keras_mgpu.distribute` helpers read as the `keras.distribution` in
+        force (the one `fit` runs the step under)."""
+        if backend.is_jax():
+            return None
+        return self.model.distribute_strategy
+
     def _examples_per_update(self) -> int:
         model = self.model
-        strategy = model.distribute_strategy
+        strategy = self._strategy()
         optimizer = model.optimizer
         if self.per_replica_batch_size is not None:
             return global_batch_size(
@@ -153,7 +182,7 @@ class LearningRateScaler(*callback_bases()):
                 # Still installed from a fit that did not end cleanly, and
                 # traced with the old factor (a Python constant): retrace.
                 wrapper.factor = factor
-                self.model.make_train_function(force=True)
+                _optimizer_lr.retrace(self.model)
         elif (
             wrapper is not None
             and wrapper.owner is owner
@@ -172,7 +201,7 @@ class LearningRateScaler(*callback_bases()):
         if report == self._reported:
             return
         self._reported = report
-        strategy = self.model.distribute_strategy
+        strategy = self._strategy()
         message = (
             f"LearningRateScaler: {examples} examples per update "
             f"({num_replicas_in_sync(strategy)} replicas, "

@@ -7,6 +7,7 @@ import warnings
 
 from keras_mgpu._flavour import callback_bases
 from keras_mgpu._validation import check_int, check_number
+from keras_mgpu.backend import require_backend
 from keras_mgpu.distribute import accumulation_steps_of
 from keras_mgpu.schedules import _optimizer_lr
 from keras_mgpu.schedules.warmup import check_ramp
@@ -28,8 +29,13 @@ class LearningRateWarmup(*callback_bases()):
     micro-batches) inside the train step. It is therefore exact with
     `steps_per_execution > 1`, with gradient accumulation, and after a
     `BackupAndRestore` resume (the counter is restored), on every replica
-    and worker of any `tf.distribute` strategy. It works through wrapper
-    optimizers (`LossScaleOptimizer`, `GradientAccumulationOptimizer`).
+    and worker of any `tf.distribute` strategy. On JAX the ramp is traced
+    into the jitted train step and reads the optimizer's counter from the
+    step's state, so it is as exact there, under no distribution,
+    `DataParallel` and `ModelParallel`. It works through wrapper
+    optimizers (`LossScaleOptimizer`, `GradientAccumulationOptimizer`) and
+    with Keras's built-in `gradient_accumulation_steps` (whose
+    `iterations` count updates).
 
     At `on_train_end` the original learning-rate object is put back, so
     `model.save()` writes a clean optimizer config. A second `fit` with this
@@ -80,6 +86,7 @@ class LearningRateWarmup(*callback_bases()):
         ramp: str = "linear",
         verbose: int = 0,
     ) -> None:
+        require_backend("LearningRateWarmup")
         super().__init__()
         if (warmup_steps is None) == (warmup_epochs is None):
             raise ValueError(
@@ -130,7 +137,8 @@ class LearningRateWarmup(*callback_bases()):
         owner = _optimizer_lr.lr_owner(self.model.optimizer)
         per_epoch = self._updates_per_epoch()
         epochs = (self.params or {}).get("epochs")
-        remaining = steps - int(owner.iterations.numpy())
+        done = _optimizer_lr.update_count(owner)
+        remaining = steps - done
         if per_epoch is not None and epochs and remaining > epochs * per_epoch:
             warnings.warn(
                 f"LearningRateWarmup: warmup_steps={steps} is longer than "
@@ -161,7 +169,7 @@ class LearningRateWarmup(*callback_bases()):
             print(
                 f"LearningRateWarmup: {self.ramp} ramp from "
                 f"{self.initial_learning_rate:g} over {steps} updates "
-                f"(update {int(owner.iterations.numpy())} now)."
+                f"(update {done} now)."
             )
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
@@ -171,8 +179,7 @@ class LearningRateWarmup(*callback_bases()):
             # their change of the epoch): keep theirs, never log it twice.
             logs.setdefault("learning_rate", lr)
         if self.verbose and self._active_steps:
-            owner = _optimizer_lr.lr_owner(self.model.optimizer)
-            done = int(owner.iterations.numpy())
+            done = _optimizer_lr.update_count(self.model.optimizer)
             if done <= self._active_steps:
                 print(
                     f"\nEpoch {epoch + 1}: LearningRateWarmup learning rate "

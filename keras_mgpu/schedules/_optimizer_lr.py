@@ -19,6 +19,16 @@ and the exact wrapper chain) and `model.train_function` is reset, so a later
 `fit` without the callbacks retraces with the plain learning rate, while a
 later `fit` with the same callbacks gets the traced function back (no
 retrace).
+
+Backends: the wrappers compute with `keras.ops`, so the same code runs in
+TensorFlow's traced step and in JAX's jitted one. On JAX the optimizer's
+variables (its counter and learning-rate variable) enter the jitted step as
+state (`stateless_apply`); reading them there yields the traced values, so
+the ramp follows the counter of every step and an assignment made between
+epochs (`ReduceLROnPlateau`) reaches the next step through the state `fit`
+reads back from the variables. Only tf_keras needs the wrappers converted
+to tensors (it casts `optimizer.learning_rate` itself): that registration is
+TensorFlow's, made where TensorFlow runs.
 """
 
 from __future__ import annotations
@@ -27,8 +37,15 @@ from typing import Any
 
 import numpy as np
 
+from keras_mgpu import backend
 from keras_mgpu._flavour import TF_RUNS, flavour_of, keras, tf
-from keras_mgpu.schedules.warmup import is_schedule, ramp_value
+from keras_mgpu.schedules.warmup import (
+    dtype_of,
+    is_schedule,
+    ops,
+    ramp_value,
+    to_tensor,
+)
 
 
 def lr_owner(optimizer: Any) -> Any:
@@ -75,12 +92,12 @@ def evaluate_lr(owner: Any, lr: Any) -> Any:
         # user's schedule exactly as it was.
         tf_keras = flavour_of(owner) == "tf_keras"
         step = owner.iterations if tf_keras else owner._iterations
-        return tf.convert_to_tensor(lr(step))
+        return to_tensor(lr(step))
     if isinstance(lr, (int, float)):
-        return tf.constant(lr, dtype=keras.backend.floatx())
+        return to_tensor(lr, dtype=keras.backend.floatx())
     if callable(lr) and not hasattr(lr, "assign"):
-        return tf.convert_to_tensor(lr())
-    return tf.convert_to_tensor(lr)
+        return to_tensor(lr())
+    return to_tensor(lr)
 
 
 def chain(owner: Any) -> list:
@@ -138,7 +155,7 @@ class LearningRateWrapper:
         return self().dtype
 
     def numpy(self) -> np.ndarray:
-        return np.asarray(self().numpy())
+        return np.asarray(ops.convert_to_numpy(self()))
 
     def __float__(self) -> float:
         return float(self.numpy())
@@ -188,7 +205,7 @@ class ScaleWrapper(LearningRateWrapper):
         self.factor = float(factor)
 
     def transform(self, target: Any) -> Any:
-        return target * tf.cast(self.factor, target.dtype)
+        return target * ops.cast(self.factor, dtype_of(target))
 
     def assign(self, value: Any) -> None:
         self.assign_target(np.asarray(value, dtype="float64") / self.factor)
@@ -212,17 +229,17 @@ class WarmupWrapper(LearningRateWrapper):
         self.ramp = ramp
 
     def transform(self, target: Any) -> Any:
-        dtype = target.dtype
-        step = tf.cast(tf.convert_to_tensor(self.owner.iterations), dtype)
-        warmup = tf.cast(self.warmup_steps, dtype)
-        fraction = tf.minimum(step / warmup, 1.0)
+        dtype = dtype_of(target)
+        step = ops.cast(to_tensor(self.owner.iterations), dtype)
+        warmup = ops.cast(self.warmup_steps, dtype)
+        fraction = ops.minimum(step / warmup, 1.0)
         ramped = ramp_value(
             fraction,
-            tf.cast(self.initial_learning_rate, dtype),
+            ops.cast(self.initial_learning_rate, dtype),
             target,
             self.ramp,
         )
-        return tf.where(step < warmup, ramped, target)
+        return ops.where(step < warmup, ramped, target)
 
 
 def learning_rate_tensor(optimizer: Any) -> Any:
@@ -232,9 +249,24 @@ def learning_rate_tensor(optimizer: Any) -> Any:
     return evaluate_lr(owner, get_lr_object(owner))
 
 
+def update_count(optimizer: Any) -> int:
+    """Updates `optimizer` has applied (`iterations` of the optimizer that
+    holds the learning rate), as a Python int; eager, like
+    `current_learning_rate`. Keras's built-in accumulation makes
+    `iterations` a tensor (micro-steps // steps), hence `convert_to_numpy`.
+    """
+    # Through a tensor: `np.array` refuses tf.distribute's MirroredVariable.
+    return int(ops.convert_to_numpy(to_tensor(lr_owner(optimizer).iterations)))
+
+
 def current_learning_rate(optimizer: Any) -> float:
-    """The learning rate of `optimizer`'s next update, as a Python float."""
-    return float(np.asarray(learning_rate_tensor(optimizer)))
+    """The learning rate of `optimizer`'s next update, as a Python float.
+
+    Eager: on JAX inside `fit`, the optimizer's variables hold their values
+    at epoch boundaries and in `on_train_begin`/`on_train_end` (Keras moves
+    them into the jitted step's state in between).
+    """
+    return float(ops.convert_to_numpy(learning_rate_tensor(optimizer)))
 
 
 # ----------------------------------------------------------------------
@@ -276,7 +308,20 @@ def activate(model: Any) -> None:
     if entry is not None and _same(entry.key, _trace_key(model)):
         model.train_function = entry.function
     else:
-        # A fresh (not yet traced) function: tracing happens on first call.
+        retrace(model)
+
+
+def retrace(model: Any) -> None:
+    """Give `model` a fresh train function, traced (on its first call) with
+    the wrappers installed now."""
+    if backend.is_jax():
+        # JAX would hand back an earlier trace of an equal function.
+        from keras_mgpu.backend.jax.train_function import (
+            fresh_train_function,
+        )
+
+        fresh_train_function(model)
+    else:
         model.make_train_function(force=True)
 
 

@@ -2,7 +2,10 @@
 
 The global batch that one update sees is derived with
 `keras_mgpu.distribute.global_batch_size` (per-replica batch x replicas in
-sync, every worker included, x accumulation steps).
+sync, every worker included, x accumulation steps). Replicas are those of the
+`tf.distribute` strategy in scope on TensorFlow, and the data-parallel size
+of the `keras.distribution` in force on JAX. The rules themselves are plain
+Python arithmetic, the same on every backend.
 """
 
 from __future__ import annotations
@@ -77,6 +80,15 @@ def scaled_learning_rate(
     ```python
     strategy = tf.distribute.MirroredStrategy()
     with strategy.scope():
+        lr = keras_mgpu.scaled_learning_rate(
+            0.1, keras_mgpu.global_batch_size(32), base_batch_size=256
+        )
+    ```
+
+    On JAX, in the scope of a `keras.distribution` instead:
+
+    ```python
+    with keras.distribution.DataParallel().scope():
         lr = keras_mgpu.scaled_learning_rate(
             0.1, keras_mgpu.global_batch_size(32), base_batch_size=256
         )

@@ -1,13 +1,20 @@
-"""Gradual learning-rate warmup in front of any schedule, computed in-graph."""
+"""Gradual learning-rate warmup in front of any schedule, computed in-graph.
+
+The math is written once with Keras 3's `keras.ops`: on TensorFlow (Keras 3
+and tf_keras, whose optimizers hand in TensorFlow tensors) they are
+TensorFlow ops, on JAX they trace into the jitted train step.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from typing import Any
 
 from keras_mgpu._flavour import (
     FLAVOUR,
+    TF_RUNS,
     flavour_of,
     keras,
     keras_of,
@@ -16,8 +23,37 @@ from keras_mgpu._flavour import (
     tf,
 )
 from keras_mgpu._validation import check_choice, check_int, check_number
+from keras_mgpu.backend import require_backend
 
 RAMPS = ("linear", "exponential", "cosine")
+
+#: Keras 3's backend ops. tf_keras has no `ops`; where it runs, Keras 3 runs
+#: on TensorFlow too, so these are TensorFlow ops on TensorFlow tensors.
+ops = keras_of("keras3").ops
+
+
+def dtype_of(tensor: Any) -> str:
+    """The dtype name of a tensor of any backend ("float32", "int64")."""
+    return keras_of("keras3").backend.standardize_dtype(tensor.dtype)
+
+
+def to_tensor(value: Any, dtype: str | None = None) -> Any:
+    """A tensor of the running backend; a variable's value is read.
+
+    TensorFlow's own conversion where TensorFlow runs: Keras 3's
+    `convert_to_tensor` returns a `tf.Variable` (tf_keras's, a
+    `MirroredVariable`) unread, as it counts as a tensor there.
+    """
+    if TF_RUNS:
+        return tf.convert_to_tensor(value, dtype=dtype)
+    return ops.convert_to_tensor(value, dtype=dtype)
+
+
+def eager_scope() -> Any:
+    """Outside any graph being traced: `tf.init_scope()` where TensorFlow
+    runs (a `Warmup` may be built inside a `tf.function`); nothing to leave
+    on JAX, where schedules are built outside `jit`."""
+    return tf.init_scope() if TF_RUNS else contextlib.nullcontext()
 
 
 def check_ramp(ramp: str, initial_learning_rate: float) -> str:
@@ -43,12 +79,12 @@ def ramp_value(fraction: Any, initial: Any, target: Any, ramp: str) -> Any:
     if ramp == "linear":
         return initial + (target - initial) * fraction
     if ramp == "cosine":
-        weight = 0.5 * (1.0 - tf.cos(math.pi * fraction))
+        weight = 0.5 * (1.0 - ops.cos(math.pi * fraction))
         return initial + (target - initial) * weight
     # Geometric: initial * (target / initial) ** fraction.
-    safe_target = tf.maximum(target, tf.cast(1e-30, target.dtype))
-    ratio = tf.math.log(safe_target / initial)
-    return tf.where(target > 0, initial * tf.exp(ratio * fraction), target)
+    safe_target = ops.maximum(target, ops.cast(1e-30, dtype_of(target)))
+    ratio = ops.log(safe_target / initial)
+    return ops.where(target > 0, initial * ops.exp(ratio * fraction), target)
 
 
 def is_schedule(value: Any) -> bool:
@@ -59,22 +95,28 @@ def is_schedule(value: Any) -> bool:
 def _check_scalar_float(schedule: Any) -> None:
     """Evaluate `schedule(0)` eagerly: it must be a scalar float."""
     try:
-        with tf.init_scope():
-            value = tf.convert_to_tensor(
-                schedule(tf.constant(0, dtype=tf.int64))
-            )
+        with eager_scope():
+            step = ops.convert_to_tensor(0, dtype="int64" if TF_RUNS else None)
+            value = to_tensor(schedule(step))
     except Exception as exc:
         raise ValueError(
             "Argument `schedule` must return a scalar float learning rate "
             f"for an integer step. Received: schedule={schedule!r}, whose "
             f"schedule(0) raised {type(exc).__name__}: {exc}"
         ) from exc
-    if value.shape.rank != 0 or not value.dtype.is_floating:
+    dtype, shape = dtype_of(value), list(value.shape)
+    if shape or not dtype.startswith(("float", "bfloat")):
         raise ValueError(
             "Argument `schedule` must return a scalar float learning rate. "
             f"Received: schedule={schedule!r}, whose schedule(0) returned "
-            f"dtype={value.dtype.name}, shape={value.shape.as_list()}"
+            f"dtype={dtype}, shape={shape}"
         )
+
+
+def _name_scope(name: str) -> Any:
+    """A TensorFlow name scope for the ops where TensorFlow runs (graph
+    readability); JAX's traced step has no use for one."""
+    return tf.name_scope(name) if TF_RUNS else contextlib.nullcontext()
 
 
 @register_in_every_flavour
@@ -96,13 +138,17 @@ class Warmup(*schedule_bases()):
     and tf_keras optimizers accept it), and follows the flavour of the
     schedule it wraps when serialized.
 
-    Everything is computed in-graph from the step the optimizer passes in,
-    so it is exact inside `steps_per_execution`, after a resume (the step is
-    the optimizer's restored counter), and with
+    Everything is computed in-graph (with `keras.ops`) from the step the
+    optimizer passes in, so it is exact inside `steps_per_execution`, after
+    a resume (the step is the optimizer's restored counter), and with
     `keras_mgpu.GradientAccumulationOptimizer`, whose inner optimizer counts
     updates. Under `tf.distribute` every replica computes the same value
-    from the same (mirrored) counter. Note that Keras's *built-in*
-    `gradient_accumulation_steps` evaluates schedules on micro-steps.
+    from the same (mirrored) counter. On JAX the schedule is traced into
+    the jitted train step and evaluated on the optimizer's counter there,
+    one value for the whole step, under no distribution, `DataParallel` and
+    `ModelParallel` alike. Note that Keras's *built-in*
+    `gradient_accumulation_steps` evaluates schedules on micro-steps (on
+    both backends).
 
     Args:
         schedule: float >= 0 or a `LearningRateSchedule` (e.g.
@@ -133,6 +179,7 @@ class Warmup(*schedule_bases()):
         ramp: str = "linear",
         name: str | None = None,
     ) -> None:
+        require_backend("Warmup")
         super().__init__()
         if isinstance(schedule, numbers.Real) and not isinstance(
             schedule, bool
@@ -166,32 +213,35 @@ class Warmup(*schedule_bases()):
 
     def _evaluate(self, step: Any) -> Any:
         if isinstance(self.schedule, float):
-            return tf.constant(self.schedule, dtype=keras.backend.floatx())
-        return tf.convert_to_tensor(self.schedule(step))
+            return to_tensor(self.schedule, dtype=keras.backend.floatx())
+        return to_tensor(self.schedule(step))
 
     def __call__(self, step: Any) -> Any:
-        with tf.name_scope(self.name or "Warmup"):
-            step = tf.convert_to_tensor(step)
+        with _name_scope(self.name or "Warmup"):
+            # A Keras variable (the optimizer's counter; on JAX its value in
+            # the jitted step) or a tensor of either backend.
+            step = to_tensor(step)
+            step_dtype = dtype_of(step)
             # Hand the nested schedule its own step 0 at our step W, in the
             # step's own dtype (integer steps stay integer: boundaries of
             # PiecewiseConstantDecay compare exactly).
-            warmup = tf.cast(self.warmup_steps, step.dtype)
+            warmup = ops.cast(self.warmup_steps, step_dtype)
             after = self._evaluate(
-                tf.maximum(step - warmup, tf.zeros_like(step))
+                ops.maximum(step - warmup, ops.zeros_like(step))
             )
-            start = self._evaluate(tf.zeros_like(step))
-            dtype = after.dtype
-            float_step = tf.cast(step, dtype)
-            fraction = tf.minimum(
-                float_step / tf.cast(self.warmup_steps, dtype), 1.0
+            start = self._evaluate(ops.zeros_like(step))
+            dtype = dtype_of(after)
+            float_step = ops.cast(step, dtype)
+            fraction = ops.minimum(
+                float_step / ops.cast(self.warmup_steps, dtype), 1.0
             )
             ramped = ramp_value(
                 fraction,
-                tf.cast(self.initial_learning_rate, dtype),
-                tf.cast(start, dtype),
+                ops.cast(self.initial_learning_rate, dtype),
+                ops.cast(start, dtype),
                 self.ramp,
             )
-            return tf.where(step < warmup, ramped, after)
+            return ops.where(step < warmup, ramped, after)
 
     def get_config(self) -> dict:
         schedule = self.schedule
