@@ -24,8 +24,8 @@ Per case, one JSON line:
   after a few training steps, each case in a subprocess of its own (the
   peak is per process; XLA_PYTHON_CLIENT_PREALLOCATE=false is set before
   JAX starts). None on CPU (`memory_stats()` is None there).
-- `compiled_temp_mib`: XLA's compiled memory analysis of the train step
-  (on CPU it does not show recompute; on GPU it may).
+- `compiled_temp_mib`: on a GPU, XLA's compiled memory analysis of the
+  gradient step (on CPU it does not show recompute: not read there).
 - `step_ms` and `time_ratio`: Keras cases run `train_on_batch`; each step is
   paired with a plain step right before or after it (alternating), and the
   ratio is the median of the pairs' ratios, so load that changes between
@@ -261,7 +261,8 @@ def memory_child(case: str, args: argparse.Namespace) -> dict:
     return {"case": case, "peak_mib": None if peak is None else peak / MIB}
 
 
-def peak_of(case: str, argv: list) -> float | None:
+def peak_of(case: str, argv: list) -> dict:
+    """`peak_mib` of `case` from a subprocess of its own (or why not)."""
     out = subprocess.run(
         [sys.executable, __file__, *argv, "--child", case],
         capture_output=True,
@@ -271,8 +272,9 @@ def peak_of(case: str, argv: list) -> float | None:
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
-        return None
-    return json.loads(lines[-1])["peak_mib"]
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"peak_mib": None, "peak_error": tail[:300]}
+    return {"peak_mib": json.loads(lines[-1])["peak_mib"]}
 
 
 def main() -> None:
@@ -322,10 +324,13 @@ def main() -> None:
                 "plain" if case == "raw_checkpoint" else case, args
             )
             row.update(static_memory(case, model, args))
-            row["compiled_temp_mib"] = compiled_temp(case, model, args)
+            # Not on CPU, where it does not show recompute (measured).
+            row["compiled_temp_mib"] = (
+                compiled_temp(case, model, args) if on_gpu else None
+            )
         except Exception as error:  # noqa: BLE001 - reported per case
             row["error"] = f"{type(error).__name__}: {error}"[:300]
-        row["peak_mib"] = peak_of(case, argv) if on_gpu else None
+        row.update(peak_of(case, argv) if on_gpu else {"peak_mib": None})
         row.update(timing.get(case, {}))
         rows[case] = row
         print(json.dumps(row), flush=True)
