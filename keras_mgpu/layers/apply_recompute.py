@@ -265,8 +265,9 @@ def apply_recompute(
     BatchNormalization statistics) and losses added inside are applied
     once, outside the checkpoint. Gradients equal the plain model's in
     `fit`, in a custom loop (`jax.grad` of `model.stateless_call`) and
-    under `keras.distribution.DataParallel` (the jitted step is the global
-    program; the recompute communicates nothing).
+    under `keras.distribution.DataParallel` and `ModelParallel` (the jitted
+    step is the global program; variables keep their layouts; the
+    recompute communicates nothing).
     Unlike `keras.RematScope`, which rematerializes each layer alone (each
     layer's input is kept anyway) and fails with Dropout on JAX, segments
     (`policy="sqrt"`, `"min_memory"`) keep only their boundaries. Other
