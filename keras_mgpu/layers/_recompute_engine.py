@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from keras_mgpu._flavour import IS_TF_KERAS, keras, tf
+from keras_mgpu._flavour import IS_TF_KERAS, TF_RUNS, keras, tf
 
 # ---------------------------------------------------------------------------
 # Private Keras hooks, each isolated in one function.
@@ -200,6 +200,11 @@ def recompute(
         again: the computation as the backward pass runs it (default:
             `forward`), e.g. through `Layer.__call__` rather than `call`.
     """
+    if not TF_RUNS:
+        # Keras 3 on JAX: `jax.checkpoint` (keras_mgpu/backend/jax/).
+        from keras_mgpu.backend.jax.recompute import recompute as on_jax
+
+        return on_jax(forward, structure, state_layers, again)
     again = again or forward
     flat = tf.nest.flatten(structure)
     diff_positions = [

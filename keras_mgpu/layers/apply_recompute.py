@@ -17,6 +17,7 @@ from typing import Any, Union
 
 from keras_mgpu._flavour import IS_TF_KERAS, check_flavour, keras
 from keras_mgpu._validation import check_choice
+from keras_mgpu.backend import require_backend
 from keras_mgpu.layers import _rebuild
 from keras_mgpu.layers._recompute_engine import check_replayable
 from keras_mgpu.layers.min_memory_segments import min_memory_segments
@@ -122,6 +123,7 @@ def _graphs(root: Any) -> list:
 
 
 def _check_model(model: Any, function: str) -> None:
+    require_backend(function)
     check_flavour(model, "model")
     if not isinstance(model, keras.Model):
         raise TypeError(
@@ -252,6 +254,24 @@ def apply_recompute(
     `fit` traces the switch. Forward outputs and gradients are bit-identical to
     the plain model's eagerly and in `tf.function`, dropout included (seed
     states are replayed).
+
+    Backends: on TensorFlow (and tf_keras) a recomputed layer or segment
+    runs under `tf.custom_gradient`, in the replica context of a
+    `tf.distribute` strategy (each replica recomputes its own slice). On
+    Keras 3's JAX backend it runs under `jax.checkpoint`, as a pure function
+    of its inputs, its layers' variable values and seed states: the
+    backward pass keeps the segment's inputs only and replays the traced
+    forward (same dropout masks); state updates (seed states,
+    BatchNormalization statistics) and losses added inside are applied
+    once, outside the checkpoint. Gradients equal the plain model's in
+    `fit`, in a custom loop (`jax.grad` of `model.stateless_call`) and
+    under `keras.distribution.DataParallel` and `ModelParallel` (the jitted
+    step is the global program; variables keep their layouts; the
+    recompute communicates nothing).
+    Unlike `keras.RematScope`, which rematerializes each layer alone (each
+    layer's input is kept anyway) and fails with Dropout on JAX, segments
+    (`policy="sqrt"`, `"min_memory"`) keep only their boundaries. Other
+    backends are refused.
 
     With `in_place=False` (the default of 0.1), a Sequential or
     functional `model` is rebuilt with its own chosen layers wrapped in

@@ -19,12 +19,19 @@ from keras_mgpu._flavour import (
     tf,
 )
 from keras_mgpu._layer_calls import accepts
+from keras_mgpu.backend import require_backend
 from keras_mgpu.layers._recompute_engine import (
     check_replayable,
     recompute,
     set_keras_mask,
 )
 from keras_mgpu.layers.recompute_in_place import is_recomputed_in_place
+
+
+def _first(nest: Any) -> Any:
+    """The first leaf of `nest` (tf_keras has no `keras.tree`)."""
+    flatten = tf.nest.flatten if IS_TF_KERAS else keras.tree.flatten
+    return flatten(nest)[0]
 
 
 @register_serializable
@@ -61,10 +68,19 @@ class RecomputeGrad(keras.layers.Wrapper):
       `tf.distribute` strategies (each replica recomputes its own slice;
       nothing is communicated). Unlike `keras.RematScope`, which fails in
       graph mode on TensorFlow.
+    - On Keras 3's JAX backend, built on `jax.checkpoint`: the wrapped layer
+      runs as a pure function of its inputs and its variables' values (seed
+      states included), so the recomputation replays the same dropout
+      masks; state updates and losses added inside are applied once,
+      outside the checkpoint (activity regularizers keep their gradient
+      path there). Works in `fit`, in a custom loop (`jax.grad` of
+      `model.stateless_call`) and under `keras.distribution`. Other backends
+      are refused at construction.
 
-    Limits: losses added inside the wrapped layer while it runs (activity
-    regularizers, `add_loss` in `call`) are computed from the forward pass
-    without a gradient path; weight regularizers are unaffected. Under
+    Limits: on TensorFlow, losses added inside the wrapped layer while it
+    runs (activity regularizers, `add_loss` in `call`) are computed from the
+    forward pass without a gradient path; weight regularizers are
+    unaffected. Under
     tf_keras, wrapping a layer that draws random numbers raises (its mask
     cannot be replayed there).
 
@@ -91,6 +107,7 @@ class RecomputeGrad(keras.layers.Wrapper):
     """
 
     def __init__(self, layer: Any, **kwargs: Any) -> None:
+        require_backend("RecomputeGrad")
         check_flavour(layer, "layer")
         if not isinstance(layer, keras.layers.Layer):
             raise TypeError(
@@ -166,8 +183,7 @@ class RecomputeGrad(keras.layers.Wrapper):
                     layer_kwargs["mask"] = mask
                 else:
                     # Keras reads the mask off the first input tensor then.
-                    first = tf.nest.flatten(layer_inputs)[0]
-                    set_keras_mask(first, tf.nest.flatten(mask)[0])
+                    set_keras_mask(_first(layer_inputs), _first(mask))
             return self.layer(layer_inputs, **layer_kwargs)
 
         return recompute(run_layer, (inputs, kwargs), [self.layer])
