@@ -86,6 +86,19 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
       it; a restart with other numbers is refused (per-replica optimizer
       state and the split of each batch would differ), naming both.
 
+    **On Keras's JAX backend**, in one process, it does the same without
+    TensorFlow (local files; a remote "gs://" `backup_dir` goes through
+    `tf.io.gfile`, as Keras's own callback): with or without a
+    `keras.distribution.DataParallel` in force (build, compile and fit the
+    model inside `distribution.scope()`), a fit
+    interrupted by an exception and resumed with this callback in a fresh
+    model ends at the weights and optimizer state of the uninterrupted run,
+    from an epoch backup or mid-epoch (`save_freq=N`), Keras's built-in
+    `gradient_accumulation_steps` mid-window included. The step is one
+    global program there, so a backup resumes exactly on another number of
+    devices too (no shape check). Several JAX processes are refused for now
+    (the workers' agreement uses TensorFlow's collectives).
+
     On one worker (no strategy, `MirroredStrategy`, ...) it behaves as
     Keras's, plus the commit protocol and the exact resume. It reads a
     backup written by Keras's callback. In a tf_keras `fit` it hands every
