@@ -53,6 +53,7 @@ def _run(
     callbacks=(),
     save_freq="epoch",
     optimizer=_optimizer,
+    per_execution=1,
 ):
     """Build, compile and fit inside the distribution's scope (the layout
     of a variable is fixed when it is created)."""
@@ -61,7 +62,11 @@ def _run(
     scope = distribution.scope() if distribution else contextlib.nullcontext()
     with scope:
         model = mlp()
-        model.compile(optimizer=optimizer(), loss="mse")
+        model.compile(
+            optimizer=optimizer(),
+            loss="mse",
+            steps_per_execution=per_execution,
+        )
         history = model.fit(
             x,
             y,
@@ -143,6 +148,19 @@ def test_interrupted_run_resumes_to_the_uninterrupted_weights(
     assert sum(trained) == (EPOCHS - saved[0]) * STEPS - (saved[1] + 1)
     _assert_like_reference(model, _reference())
     assert not os.path.exists(backup)  # delete_checkpoint=True
+
+
+@pytest.mark.slow
+def test_two_steps_per_execution_resume_mid_epoch(tmp_path):
+    """With 2 steps an execution, saves (every 2 batches) fall at the ends
+    of executions: the last before (1, 4) is after batch 3 of epoch 1."""
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _run("data_parallel", backup, [_Interrupt(1, 4)], 2, per_execution=2)
+    assert (_metadata(backup)["epoch"], _metadata(backup)["batch"]) == (1, 3)
+    model, history = _run("data_parallel", backup, (), 2, per_execution=2)
+    assert history.epoch == [1, 2, 3]
+    _assert_like_reference(model, _reference())
 
 
 def test_a_data_parallel_backup_resumes_on_one_device(tmp_path):
