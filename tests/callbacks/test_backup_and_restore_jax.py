@@ -174,6 +174,7 @@ def test_a_data_parallel_backup_resumes_on_one_device(tmp_path):
     _assert_like_reference(model, _reference())
 
 
+@pytest.mark.slow
 def test_keras_gradient_accumulation_resumes_mid_window(tmp_path):
     """Keras's built-in `gradient_accumulation_steps=3` over 5 steps an
     epoch: windows straddle epochs, and the backups (every 2 batches) fall
