@@ -12,6 +12,11 @@ import uuid
 from typing import Any
 
 from keras_mgpu._flavour import _tf_keras_if_installed, object_flavour
+from keras_mgpu.backend import (
+    BackendNotSupportedError,
+    is_jax,
+    require_backend,
+)
 
 _METADATA = "training_metadata.json"
 _FORMAT = 2  # our metadata: a pointer with the file's SHA-256
@@ -81,6 +86,19 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
       it; a restart with other numbers is refused (per-replica optimizer
       state and the split of each batch would differ), naming both.
 
+    **On Keras's JAX backend**, in one process, it does the same without
+    TensorFlow (local files; a remote "gs://" `backup_dir` goes through
+    `tf.io.gfile`, as Keras's own callback): with or without a
+    `keras.distribution.DataParallel` in force (build, compile and fit the
+    model inside `distribution.scope()`), a fit
+    interrupted by an exception and resumed with this callback in a fresh
+    model ends at the weights and optimizer state of the uninterrupted run,
+    from an epoch backup or mid-epoch (`save_freq=N`), Keras's built-in
+    `gradient_accumulation_steps` mid-window included. The step is one
+    global program there, so a backup resumes exactly on another number of
+    devices too (no shape check). Several JAX processes are refused for now
+    (the workers' agreement uses TensorFlow's collectives).
+
     On one worker (no strategy, `MirroredStrategy`, ...) it behaves as
     Keras's, plus the commit protocol and the exact resume. It reads a
     backup written by Keras's callback. In a tf_keras `fit` it hands every
@@ -122,6 +140,9 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         double_checkpoint: bool = False,
         delete_checkpoint: bool = True,
     ) -> None:
+        require_backend("BackupAndRestore")
+        if is_jax() and _several_jax_processes():
+            raise _jax_processes_refusal()
         if save_freq is False or (
             isinstance(save_freq, int)
             and not isinstance(save_freq, bool)
@@ -211,19 +232,28 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self._delegate("on_train_begin", logs):
             return
-        from keras_mgpu.distribute.strategy import is_multi_worker, worker_info
+        from keras_mgpu.distribute.strategy import (
+            is_multi_worker,
+            num_replicas_in_sync,
+            worker_info,
+        )
 
         strategy = self._strategy()
         # Several processes share one backup only when they train one model
         # together; otherwise each process owns its backup.
         together = is_multi_worker(strategy)
+        if together and is_jax():
+            raise _jax_processes_refusal()
         info = worker_info(strategy)
         self._is_chief = bool(info["is_chief"]) or not together
         self._num_workers = int(info["num_workers"]) if together else 1
         self._task_id = int(info["rank"] or 0) if together else 0
-        self._num_replicas = int(
-            getattr(strategy, "num_replicas_in_sync", 1) or 1
-        )
+        if is_jax():
+            self._num_replicas = num_replicas_in_sync(strategy)
+        else:
+            self._num_replicas = int(
+                getattr(strategy, "num_replicas_in_sync", 1) or 1
+            )
         # A callback object may serve several `fit` calls (Keras's tests
         # restart with the same one): start each from a clean state.
         self._uninstall_skipper()
@@ -295,6 +325,14 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
     # Saving
     # ------------------------------------------------------------------
     def _strategy(self) -> Any:
+        """The model's `tf.distribute` strategy; on JAX the
+        `keras.distribution` in force (None without one)."""
+        if is_jax():
+            from keras_mgpu.backend.jax.distribution import (
+                current_distribution,
+            )
+
+            return current_distribution()
         return getattr(self.model, "distribute_strategy", None)
 
     def _save_model(self, epoch: int, batch: int) -> None:
@@ -303,8 +341,6 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         `epoch`, `batch`: where a restart resumes, at batch `batch + 1` of
         `epoch` (`batch=-1`: at the start of `epoch`).
         """
-        import tensorflow as tf
-
         steps = (self.params or {}).get("steps")
         if batch >= 0 and steps and batch + 1 >= steps:
             epoch, batch = epoch + 1, -1  # the epoch's last batch
@@ -321,7 +357,7 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             self._test_kill("weights_written")
             os.remove(path)
             return
-        tf.io.gfile.makedirs(self.backup_dir)
+        _gfile(self.backup_dir).makedirs(self.backup_dir)
         path = os.path.join(self.backup_dir, name)
         self.model.save_weights(path, overwrite=True)
         self._test_kill("weights_partial", path)
@@ -352,54 +388,50 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
     def _remove_stale_files(self, metadata: dict) -> None:
         """Files no committed pointer names: older backups, files a killed
         chief was writing, its temporary pointers."""
-        import tensorflow as tf
-
         keep = {metadata["weights"]}
         if metadata.get("previous"):
             keep.add(metadata["previous"]["weights"])
-        for f in tf.io.gfile.listdir(self.backup_dir):
+        files = _gfile(self.backup_dir)
+        for f in files.listdir(self.backup_dir):
             stale = f.endswith(".weights.h5") and f not in keep
             if stale or f.endswith(".tmp"):
-                tf.io.gfile.remove(os.path.join(self.backup_dir, f))
+                files.remove(os.path.join(self.backup_dir, f))
 
     def _write_metadata(self, metadata: dict) -> None:
-        import tensorflow as tf
-
         path = os.path.join(self.backup_dir, _METADATA)
         temporary = f"{path}.{self._run_id}.tmp"
-        with tf.io.gfile.GFile(temporary, "w") as f:
+        files = _gfile(self.backup_dir)
+        with files.GFile(temporary, "w") as f:
             f.write(json.dumps(metadata))
         _fsync(temporary)
         self._test_kill("metadata_written")
         # The commit point: readers see the old backup or the new one.
-        tf.io.gfile.rename(temporary, path, overwrite=True)
+        files.rename(temporary, path, overwrite=True)
         _fsync(self.backup_dir)
         self._test_kill("committed")
 
     def _delete_backup(self) -> None:
         """The pointer first, then the files it named: a process killed in
         between leaves no pointer to a deleted file."""
-        import tensorflow as tf
-
-        if not tf.io.gfile.exists(self.backup_dir):
+        files = _gfile(self.backup_dir)
+        if not files.exists(self.backup_dir):
             return
         pointer = os.path.join(self.backup_dir, _METADATA)
-        if tf.io.gfile.exists(pointer):
-            tf.io.gfile.remove(pointer)
+        if files.exists(pointer):
+            files.remove(pointer)
             _fsync(self.backup_dir)
         self._test_kill("pointer_deleted")
-        tf.io.gfile.rmtree(self.backup_dir)
+        files.rmtree(self.backup_dir)
 
     # ------------------------------------------------------------------
     # Restoring
     # ------------------------------------------------------------------
     def _read_metadata(self) -> dict | None:
-        import tensorflow as tf
-
         path = os.path.join(self.backup_dir, _METADATA)
-        if not tf.io.gfile.exists(path):
+        files = _gfile(self.backup_dir)
+        if not files.exists(path):
             return None
-        with tf.io.gfile.GFile(path, "r") as f:
+        with files.GFile(path, "r") as f:
             metadata = json.loads(f.read())
         if "weights" not in metadata:
             # Written by keras.callbacks.BackupAndRestore: it resumes at the
@@ -410,8 +442,6 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
 
     def _candidates(self, metadata: dict) -> list[dict]:
         """The backups to try, newest first."""
-        import tensorflow as tf
-
         candidates = [metadata]
         if not self.double_checkpoint:
             return candidates
@@ -421,10 +451,11 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             return candidates
         # Keras's own double checkpoint: `*.bkp` copies.
         previous = f"{self._training_metadata_path}.bkp"
-        if tf.io.gfile.exists(f"{self._weights_path}.bkp"):
+        files = _gfile(self.backup_dir)
+        if files.exists(f"{self._weights_path}.bkp"):
             epoch = 0
-            if tf.io.gfile.exists(previous):
-                with tf.io.gfile.GFile(previous, "r") as f:
+            if files.exists(previous):
+                with files.GFile(previous, "r") as f:
                     epoch = int(json.loads(f.read())["epoch"])
             candidates.append(
                 {
@@ -571,6 +602,11 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             (workers, replicas) == (self._num_workers, self._num_replicas)
         ):
             return
+        if is_jax() and workers == self._num_workers:
+            # On JAX the step is one global program: optimizer state is
+            # global (not per replica) and the batch's split leaves the
+            # math alone, so another device count resumes exactly.
+            return
         raise ValueError(
             f"The backup in backup_dir={self.backup_dir!r} was written by a "
             f"job of {workers} worker(s) and {replicas} replica(s); this "
@@ -617,8 +653,10 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         `steps` batches (at most `steps_per_execution`) instead of
         training on them. Keras 3.10-3.15's TensorFlow `fit` calls
         `self.train_function(iterator)` once per execution and reads the
-        attribute each time."""
-        model = self.model
+        attribute each time; its JAX `fit` likewise, with the state."""
+        # `_model`, not `model`: on JAX reading `model` copies the step's
+        # state back into the variables (Callback.model syncs).
+        model = self._model
         current = getattr(model, "train_function", None)
         if current is None:
             return
@@ -626,10 +664,20 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         per_execution = int(getattr(model, "steps_per_execution", 1) or 1)
         count = max(1, min(steps, per_execution))
 
-        def skip(iterator):
-            for _ in range(count):
-                next(iterator)
-            return {}
+        if is_jax():
+            # Keras 3.10-3.15's JAX `fit` calls
+            # `logs, state = self.train_function(state, iterator)`.
+            def skip(state, iterator):
+                for _ in range(count):
+                    next(iterator)
+                return {}, state
+
+        else:
+
+            def skip(iterator):
+                for _ in range(count):
+                    next(iterator)
+                return {}
 
         skip._keras_mgpu_original = original
         model.train_function = skip
@@ -674,6 +722,59 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
 
 
+def _several_jax_processes() -> bool:
+    """Whether `jax.distributed` already runs several processes (asked only
+    once it is initialised: counting earlier would start JAX's backends and
+    make `keras.distribution.initialize()` fail)."""
+    import jax
+
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def _jax_processes_refusal() -> BackendNotSupportedError:
+    return BackendNotSupportedError(
+        "BackupAndRestore on several JAX processes is not supported yet: "
+        "the processes' agreement on the backup uses TensorFlow's "
+        "collectives (multi-process support on JAX is planned, issue 29). "
+        "On one JAX process, with or without a keras.distribution, it "
+        "works."
+    )
+
+
+class _LocalFiles:
+    """The slice of `tf.io.gfile` used here, for local paths without
+    TensorFlow (Keras's JAX backend)."""
+
+    GFile = staticmethod(open)
+    exists = staticmethod(os.path.exists)
+    listdir = staticmethod(os.listdir)
+    remove = staticmethod(os.remove)
+    rmtree = staticmethod(shutil.rmtree)
+
+    @staticmethod
+    def makedirs(path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    @staticmethod
+    def rename(source: str, target: str, overwrite: bool = False) -> None:
+        if not overwrite and os.path.exists(target):
+            raise FileExistsError(target)
+        os.replace(source, target)  # atomic on POSIX and Windows
+
+
+def _gfile(path: str) -> Any:
+    """`tf.io.gfile` where TensorFlow runs, or for a remote path (a bucket,
+    "gs://..."; TensorFlow is then imported, as Keras's own callback does);
+    the local file system otherwise."""
+    from keras_mgpu._flavour import TF_RUNS
+
+    if TF_RUNS or "://" in str(path):
+        import tensorflow as tf
+
+        return tf.io.gfile
+    return _LocalFiles
+
+
 def _fsync(path: str) -> None:
     """Flush a local file or folder to the disk (remote file systems
     commit on close)."""
@@ -697,9 +798,7 @@ def _check_readable(path: str, sha256: str | None) -> str | None:
     exist and hold the bytes that were committed (their SHA-256), or, for a
     backup written by Keras (no digest), open as HDF5 with every dataset
     readable."""
-    import tensorflow as tf
-
-    if not tf.io.gfile.exists(path):
+    if not _gfile(path).exists(path):
         return f"{path!r} does not exist"
     if sha256:
         if _file_sha256(path) != sha256:
@@ -722,10 +821,8 @@ def _check_readable(path: str, sha256: str | None) -> str | None:
 
 
 def _file_sha256(path: str) -> str:
-    import tensorflow as tf
-
     digest = hashlib.sha256()
-    with tf.io.gfile.GFile(path, "rb") as f:
+    with _gfile(path).GFile(path, "rb") as f:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()

@@ -13,6 +13,8 @@ from keras_mgpu._validation import (
     renamed_argument,
     update_freq_from_batches,
 )
+from keras_mgpu.backend import require_backend
+from keras_mgpu.distribute.strategy import current_strategy
 from keras_mgpu.monitoring.aggregate import NAN, Stats, spread
 from keras_mgpu.monitoring.backend import BackendUnavailable
 from keras_mgpu.monitoring.gather import WorkerGathering
@@ -95,6 +97,16 @@ class GPULoadMonitor(*callback_bases()):
     exception or KeyboardInterrupt (Keras skips `on_train_end` then), and
     NVML is shut down with it; a later `fit` starts afresh.
 
+    **On Keras's JAX backend** it is the same monitor, without TensorFlow:
+    the GPUs sampled are those of this process that the `keras.distribution`
+    in force runs on (the default device without one), by CUDA ordinal;
+    where JAX sees no GPU it behaves as on TensorFlow without GPUs (NVML's
+    visible GPUs, else the psutil fallback). XLA preallocates 75% of each
+    GPU's memory by default, which NVML reports as used: a
+    `MonitorWarning` says so once per process (shared with
+    `MemoryMonitor`), with how to turn it off
+    (`XLA_PYTHON_CLIENT_PREALLOCATE=false`).
+
     **Under tf.distribute** every worker samples its own GPUs; in a
     multi-worker cluster its keys carry a `w<rank>_` prefix; with
     `gather_workers=True` every worker (the chief included) also logs the
@@ -145,6 +157,7 @@ class GPULoadMonitor(*callback_bases()):
         **deprecated: Any,
     ) -> None:
         super().__init__()
+        self._backend_name = require_backend("GPULoadMonitor")
         if "log_every_n_batches" in deprecated:
             deprecated["log_every_n_batches"] = update_freq_from_batches(
                 deprecated["log_every_n_batches"]
@@ -199,14 +212,20 @@ class GPULoadMonitor(*callback_bases()):
     # -- set-up ------------------------------------------------------------
 
     def _strategy(self):
+        """The `tf.distribute` strategy of the model, or the one in scope;
+        on JAX the `keras.distribution` in force (None without one)."""
         strategy = getattr(
             getattr(self, "model", None), "distribute_strategy", None
         )
-        return strategy or tf.distribute.get_strategy()
+        return current_strategy(strategy)
 
-    @staticmethod
-    def _gpu_positions(strategy) -> list[int] | None:
-        """Physical GPU positions the strategy runs on (None: TF sees none)."""
+    def _gpu_positions(self, strategy) -> list[int] | None:
+        """Physical GPU positions the strategy (on JAX, the distribution)
+        runs on (None: the framework sees no GPU)."""
+        if self._backend_name == "jax":
+            from keras_mgpu.backend.jax import memory
+
+            return memory.gpu_positions(strategy)
         if not tf.config.get_visible_devices("GPU"):
             return None
         mapping = logical_to_physical_gpu()
@@ -226,6 +245,7 @@ class GPULoadMonitor(*callback_bases()):
             backend.open()
             for note in getattr(backend, "notes", ()):
                 self._notices.warn(note, f"GPULoadMonitor: {note}.")
+            self._preallocation_note()
             return backend, "gpu"
         except BackendUnavailable as exc:
             reason = str(exc)
@@ -248,6 +268,21 @@ class GPULoadMonitor(*callback_bases()):
                 "is logged.",
             )
             return None, None
+
+    def _preallocation_note(self) -> None:
+        """On JAX, say once per process (shared with MemoryMonitor) that
+        NVML's used memory is XLA's preallocated pool."""
+        if self._backend_name != "jax":
+            return
+        from keras_mgpu.backend.jax import memory
+
+        if not memory.local_gpus():
+            return
+        note = memory.preallocation_note()
+        if note:
+            self._notices.warn(
+                "jax-preallocation", f"GPULoadMonitor: {note}.", True
+            )
 
     def on_train_begin(self, logs=None):
         self.stop()  # a run that ended by an exception may have left one

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from keras_mgpu._flavour import callback_bases, tf
+from keras_mgpu._flavour import callback_bases
 from keras_mgpu._validation import (
     check_bool,
     check_number,
@@ -15,6 +15,13 @@ from keras_mgpu._validation import (
     renamed_argument,
     update_freq_from_batches,
 )
+from keras_mgpu.backend import require_backend
+from keras_mgpu.backend.jax.memory import (
+    JAXMemoryReader,
+    distribution_devices,
+    preallocation_note,
+)
+from keras_mgpu.distribute.strategy import current_strategy
 from keras_mgpu.monitoring.gather import WorkerGathering
 from keras_mgpu.monitoring.host_backend import HostBackend
 from keras_mgpu.monitoring.log_keys import make_key
@@ -66,6 +73,23 @@ class MemoryMonitor(*callback_bases()):
     `MonitorWarning` names the device and the remedies (gradient
     accumulation, recompute, a smaller batch), once per device per `fit`.
 
+    **On Keras's JAX backend** the devices are this process's devices of
+    the `keras.distribution` in force (`DataParallel`, `ModelParallel`; the
+    default device without one) and of the model's variables, with the same
+    keys: `mem/gpu<i>_current_mb` is `Device.memory_stats()["bytes_in_use"]`
+    (GPU and TPU, `<i>` the CUDA ordinal), `mem/gpu<i>_peak_mb` its
+    "peak_bytes_in_use" (the process's peak so far: JAX cannot reset it per
+    epoch), `mem/gpu<i>_peak_frac` the peak over "bytes_limit" (or
+    `capacity_mb`). JAX keeps no statistics for CPU devices
+    (`memory_stats()` is None): on CPU only the psutil host figures are
+    logged (a `MonitorWarning` says so once per process; there are no
+    `mem/host_tf_*` keys). Under XLA's default GPU preallocation a
+    `MonitorWarning` says once per process that the memory the GPU reports
+    in use is the preallocated pool, and how to turn it off
+    (`XLA_PYTHON_CLIENT_PREALLOCATE=false`). Nothing imports TensorFlow.
+    `gather_workers=True` gathers nothing on one JAX process and is refused
+    on several (multi-process support on JAX is planned).
+
     **Under tf.distribute** each worker of a multi-worker cluster reports
     its own devices into its own logs; keys then carry a `w<rank>_`
     prefix (`mem/w1_gpu0_peak_mb`) so the workers' CSV files can be merged.
@@ -116,6 +140,7 @@ class MemoryMonitor(*callback_bases()):
         **deprecated: Any,
     ) -> None:
         super().__init__()
+        self._backend_name = require_backend("MemoryMonitor")
         if "log_every_n_batches" in deprecated:
             deprecated["log_every_n_batches"] = update_freq_from_batches(
                 deprecated["log_every_n_batches"]
@@ -161,9 +186,14 @@ class MemoryMonitor(*callback_bases()):
         )
         self._gathering = WorkerGathering(gather_workers, "MemoryMonitor")
         self.gather_workers = gather_workers
-        # TensorFlow's allocator and psutil; tests replace these two
-        # attributes with stand-ins before `fit`.
-        self._reader = TFMemoryReader()
+        # The backend's memory figures (TensorFlow's allocator, or JAX's
+        # `memory_stats()`) and psutil; tests replace these two attributes
+        # with stand-ins before `fit`.
+        self._reader = (
+            JAXMemoryReader()
+            if self._backend_name == "jax"
+            else TFMemoryReader()
+        )
         self._host_backend = HostBackend()
         self._notices = Notices()
         self._devices: list[str] = []  # accelerator devices, "GPU:0"
@@ -180,9 +210,16 @@ class MemoryMonitor(*callback_bases()):
         return make_key("mem", name, self._prefix)
 
     def _strategy(self):
+        """The `tf.distribute` strategy of the model, or the one in scope;
+        on JAX the `keras.distribution` in force (None without one)."""
         model = getattr(self, "model", None)
-        strategy = getattr(model, "distribute_strategy", None)
-        return strategy or tf.distribute.get_strategy()
+        return current_strategy(getattr(model, "distribute_strategy", None))
+
+    def _local_devices(self, strategy) -> list[str]:
+        variables = getattr(self.model, "variables", ())
+        if self._backend_name == "jax":
+            return self._reader.bind(distribution_devices(strategy, variables))
+        return strategy_devices(strategy, variables)
 
     def on_train_begin(self, logs=None):
         self._notices.reset()
@@ -190,23 +227,28 @@ class MemoryMonitor(*callback_bases()):
         self._prefix = self._gathering.start(
             strategy, self.worker_prefix, self._notices
         )
-        devices = strategy_devices(
-            strategy, getattr(self.model, "variables", ())
-        )
+        devices = self._local_devices(strategy)
         self._devices = []
         for device in devices:
             if device.startswith("CPU:"):
                 continue
             if self._reader.read(device) is None:
+                source = (
+                    "JAX reports no memory statistics (memory_stats())"
+                    if self._backend_name == "jax"
+                    else "TensorFlow keeps no allocator statistics"
+                )
                 self._notices.warn(
                     f"nostats:{device}",
-                    f"MemoryMonitor: TensorFlow keeps no allocator statistics "
-                    f"for {device}; it is left out of the logs.",
+                    f"MemoryMonitor: {source} for {device}; it is left out "
+                    "of the logs.",
                 )
                 continue
             self._devices.append(device)
         self._host_tf = False
-        if any(d.startswith("CPU:") for d in devices):
+        if self._backend_name == "jax":
+            self._jax_notes(devices)
+        elif any(d.startswith("CPU:") for d in devices):
             self._host_tf = self._reader.read("CPU:0") is not None
             if self._host_tf:
                 note = (
@@ -232,6 +274,25 @@ class MemoryMonitor(*callback_bases()):
         self.keys = self._gathering.expand_keys(self._epoch_keys())
         self._batches = 0
         self._reset_peaks()
+
+    def _jax_notes(self, devices: list[str]) -> None:
+        """Say once per process what JAX cannot report, and when XLA's GPU
+        preallocation changes what the figures mean."""
+        if any(d.startswith("CPU:") for d in devices):
+            self._notices.warn(
+                "jax-cpu",
+                "MemoryMonitor: JAX keeps no memory statistics for CPU "
+                "devices (Device.memory_stats() is None there), so only the "
+                "psutil host figures are logged (mem/host_rss_mb, ...), "
+                "not per device.",
+                per_process=True,
+            )
+        if any(self._reader.platform(d) == "gpu" for d in self._devices):
+            note = preallocation_note()
+            if note:
+                self._notices.warn(
+                    "jax-preallocation", f"MemoryMonitor: {note}.", True
+                )
 
     def _capacity_of(self, device: str) -> float | None:
         if isinstance(self.capacity_mb, dict):

@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from keras_mgpu import backend
 from keras_mgpu._validation import check_bool
+from keras_mgpu.backend import BackendNotSupportedError
 
 _WORKER_KEY = re.compile(r"^(?P<group>[a-z]+)/w(?P<task>\d+)_(?P<name>.+)$")
 
@@ -63,6 +65,28 @@ def gather_worker_figures(
     return gathered
 
 
+def _several_jax_processes() -> bool:
+    """True on Keras's JAX backend once `jax.distributed` runs several
+    processes. Asks JAX only when its distributed system is initialised:
+    counting processes before `keras.distribution.initialize()` would start
+    JAX's backends and make that call fail."""
+    if not backend.is_jax():
+        return False
+    import jax
+
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def _jax_gather_refusal(owner: str) -> BackendNotSupportedError:
+    return BackendNotSupportedError(
+        f"{owner}(gather_workers=True) on several JAX processes is not "
+        "supported yet: gathering uses TensorFlow's collectives "
+        "(multi-process support on JAX is planned, issue 29). Pass "
+        "gather_workers=False: each process then logs its own figures "
+        "under its w<rank>_ prefix."
+    )
+
+
 class WorkerGathering:
     """A monitor's `gather_workers` option, shared by both monitors.
 
@@ -76,6 +100,8 @@ class WorkerGathering:
     def __init__(self, enabled: bool, owner: str) -> None:
         self.enabled = check_bool(enabled, "gather_workers")
         self._owner = owner
+        if self.enabled and _several_jax_processes():
+            raise _jax_gather_refusal(owner)
         self._strategy = None
         self.task_id = 0
         self.num_workers = 1
@@ -97,7 +123,18 @@ class WorkerGathering:
         # logs its own figures under its own prefix, and gathers nothing.
         member = info["rank"] is not None
         active = self.enabled and self.num_workers > 1 and member
-        if active and not isinstance(
+        if active and backend.is_jax():
+            # JAX started its processes after this monitor was built
+            # (construction refuses when they already run).
+            if notices is not None:
+                notices.warn(
+                    "gather-jax",
+                    f"{self._owner}: gather_workers uses TensorFlow's "
+                    "collectives, not available across JAX processes yet "
+                    "(issue 29); each process logs its own figures.",
+                )
+            active = False
+        elif active and not isinstance(
             strategy, tf.distribute.MultiWorkerMirroredStrategy
         ):
             # Parameter-server workers run no callbacks (the coordinator

@@ -1,0 +1,284 @@
+"""MemoryMonitor on Keras's JAX backend: fake `memory_stats()` for GPU
+figures, host figures on CPU devices, TensorFlow's log keys, the
+preallocation note (once), and no TensorFlow import."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import keras
+import pytest
+from _training import mlp, regression_data
+from monitoring._jax_fakes import FakeMemoryStats, fake_device
+from monitoring._monitor_fakes import FakePsutil
+
+from keras_mgpu.backend import BackendNotSupportedError
+from keras_mgpu.backend.jax.memory import JAXMemoryReader
+from keras_mgpu.callbacks import MemoryMonitor
+from keras_mgpu.callbacks import memory_monitor as memory_monitor_module
+from keras_mgpu.monitoring import HostBackend, MonitorWarning, gather, notices
+
+HOST_KEYS = {
+    "mem/host_rss_mb",
+    "mem/host_system_used_mb",
+    "mem/host_system_available_mb",
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_tensorflow_and_fresh_notes(monkeypatch):
+    # Nothing here may import TensorFlow: an import now fails.
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    monkeypatch.setattr(notices, "_PROCESS_NOTES", set())
+
+
+@pytest.fixture
+def preallocating(monkeypatch):
+    """JAX's default GPU allocator: preallocation on."""
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+
+
+def fake_gpus(monkeypatch, fake):
+    """Pretend the distribution runs on the fake's GPUs (and CPU 0)."""
+    monkeypatch.setattr(
+        memory_monitor_module,
+        "distribution_devices",
+        lambda distribution=None, variables=(): [
+            *fake.gpus(),
+            fake_device("cpu", 0),
+        ],
+    )
+
+
+def with_sources(monitor, memory_stats=None, psutil=None):
+    """Stand-ins for the monitor's readers (private test seams)."""
+    if memory_stats is not None:
+        monitor._reader = JAXMemoryReader(memory_stats)
+    monitor._host_backend = HostBackend(psutil_module=psutil or FakePsutil())
+    return monitor
+
+
+class Allocate(keras.callbacks.Callback):
+    """Stands for the training step's allocations: raises fake peaks."""
+
+    def __init__(self, fake, peaks):
+        super().__init__()
+        self.fake, self.peaks = fake, peaks
+
+    def on_train_batch_end(self, batch, logs=None):
+        for index, peak in self.peaks.items():
+            self.fake.devices[index][1] = peak
+
+
+def fit(monitor, *callbacks, epochs=2, distribution=None):
+    x, y = regression_data(32)
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model.fit(
+        x,
+        y,
+        epochs=epochs,
+        batch_size=16,
+        verbose=0,
+        callbacks=[*callbacks, monitor],
+    )
+
+
+def messages(record, text):
+    return [str(w.message) for w in record if text in str(w.message)]
+
+
+def test_gpu_figures_keys_and_pressure_as_on_tensorflow(
+    monkeypatch, preallocating
+):
+    """The situation of TensorFlow's test_per_device_peaks_capacity_...:
+    GPU:0 with a known capacity, GPU:1 without, host figures on. The keys
+    are TensorFlow's, less its `mem/host_tf_*` (JAX keeps no CPU
+    statistics)."""
+    fake = FakeMemoryStats({0: (1000, 1000, 16000), 1: (500, 2000, None)})
+    fake_gpus(monkeypatch, fake)
+    monitor = with_sources(
+        MemoryMonitor(), fake, FakePsutil(rss_mb=700, available_mb=6000)
+    )
+    with pytest.warns(MonitorWarning) as record:
+        history = fit(monitor, Allocate(fake, {0: 15000}))
+    assert (
+        set(monitor.keys)
+        == {
+            "mem/gpu0_current_mb",
+            "mem/gpu0_peak_mb",
+            "mem/gpu0_peak_frac",  # capacity known for gpu0 only
+            "mem/gpu1_current_mb",
+            "mem/gpu1_peak_mb",
+        }
+        | HOST_KEYS
+    )
+    h = history.history
+    assert h["mem/gpu0_current_mb"] == [1000.0, 1000.0]
+    assert h["mem/gpu0_peak_mb"] == [15000.0, 15000.0]
+    assert h["mem/gpu1_peak_mb"] == [2000.0, 2000.0]
+    assert h["mem/gpu0_peak_frac"][0] == pytest.approx(15000 / 16000)
+    assert h["mem/host_rss_mb"] == [700.0, 700.0]
+    assert h["mem/host_system_available_mb"][0] == 6000.0
+    pressure = messages(record, "reached")
+    assert len(pressure) == 1  # once per device per run
+    assert (
+        "GPU:0 reached 94% of its 16000 MB capacity in epoch 0" in (pressure[0])
+    )
+    assert len(messages(record, "no memory statistics for CPU")) == 1
+    # The preallocation note: once, saying how to turn it off.
+    (note,) = messages(record, "preallocates")
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in note
+    assert "XLA_PYTHON_CLIENT_ALLOCATOR=platform" in note
+
+
+def test_preallocation_note_exactly_once_per_process(
+    monkeypatch, preallocating
+):
+    fake = FakeMemoryStats({0: (10, 20, 1000)})
+    fake_gpus(monkeypatch, fake)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(with_sources(MemoryMonitor(), fake), epochs=1)
+        fit(with_sources(MemoryMonitor(update_freq=1), fake), epochs=1)
+    assert len(messages(record, "preallocates")) == 1
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
+        ("XLA_PYTHON_CLIENT_ALLOCATOR", "platform"),
+    ],
+)
+def test_no_preallocation_note_when_it_is_off(
+    monkeypatch, preallocating, name, value
+):
+    monkeypatch.setenv(name, value)
+    fake = FakeMemoryStats({0: (10, 20, 1000)})
+    fake_gpus(monkeypatch, fake)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(with_sources(MemoryMonitor(), fake), epochs=1)
+    assert messages(record, "preallocates") == []
+
+
+def test_capacity_override_and_no_stats_as_on_tensorflow(
+    monkeypatch, preallocating
+):
+    """The situation of TensorFlow's test_cpu_without_allocator_stats_...:
+    the same keys; a GPU that reports no statistics is left out."""
+    fake = FakeMemoryStats({0: (100, 950, None), 1: (100, 200, None)})
+    devices = [*fake.gpus(), fake_device("gpu", 2), fake_device("cpu", 0)]
+    monkeypatch.setattr(
+        memory_monitor_module,
+        "distribution_devices",
+        lambda distribution=None, variables=(): devices,
+    )
+    monitor = with_sources(
+        MemoryMonitor(capacity_mb={"gpu0": 1000}, host=False), fake
+    )
+    with pytest.warns(MonitorWarning) as record:
+        history = fit(monitor, epochs=1)
+    assert set(monitor.keys) == {
+        "mem/gpu0_current_mb",
+        "mem/gpu0_peak_mb",
+        "mem/gpu0_peak_frac",
+        "mem/gpu1_current_mb",
+        "mem/gpu1_peak_mb",
+    }
+    assert history.history["mem/gpu0_peak_frac"] == [0.95]
+    assert messages(record, "GPU:0 reached 95%")
+    assert messages(record, "no memory statistics (memory_stats()) for GPU:2")
+
+
+def test_batch_logging_reads_the_fake_device(monkeypatch, preallocating):
+    fake = FakeMemoryStats({0: (123, 200, None)})
+    fake_gpus(monkeypatch, fake)
+    monitor = with_sources(MemoryMonitor(update_freq=1, host=False), fake)
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(logs.get("mem/gpu0_current_mb"))
+
+    x, y = regression_data(32)
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.warns(MonitorWarning):
+        model.fit(x, y, batch_size=16, verbose=0, callbacks=[monitor, Record()])
+    assert seen == [123.0, 123.0]
+
+
+@pytest.mark.parametrize("gather_workers", [False, True])
+def test_cpu_devices_of_a_data_parallel_fit_log_host_figures(gather_workers):
+    """Real CPU devices (memory_stats() is None): only the psutil host
+    figures, TensorFlow's keys for CPU without allocator statistics; one
+    JAX process gathers nothing with gather_workers=True."""
+    devices = keras.distribution.list_devices("cpu")
+    distribution = keras.distribution.DataParallel(devices=devices)
+    monitor = with_sources(
+        MemoryMonitor(gather_workers=gather_workers), psutil=FakePsutil()
+    )
+    with distribution.scope():
+        with pytest.warns(MonitorWarning, match="no memory statistics"):
+            history = fit(monitor)
+    # The distribution's 4 CPU devices were read, none logged per device.
+    assert sorted(monitor._reader._devices) == [f"CPU:{i}" for i in range(4)]
+    assert monitor._devices == []
+    assert set(monitor.keys) == HOST_KEYS
+    assert history.history["mem/host_rss_mb"] == [500.0, 500.0]
+
+
+def test_gather_workers_on_several_jax_processes_is_refused(monkeypatch):
+    monkeypatch.setattr(gather, "_several_jax_processes", lambda: True)
+    with pytest.raises(
+        BackendNotSupportedError,
+        match=r"MemoryMonitor\(gather_workers=True\) on several JAX "
+        "processes is not supported yet: .*issue 29.* Pass "
+        "gather_workers=False",
+    ):
+        MemoryMonitor(gather_workers=True)
+    MemoryMonitor()  # without gathering: each process logs its own
+
+
+def test_argument_errors_as_on_tensorflow():
+    with pytest.raises(ValueError, match="Argument `warn_fraction` must be"):
+        MemoryMonitor(warn_fraction=1.5)
+    with pytest.raises(ValueError, match="Argument `capacity_mb` must be"):
+        MemoryMonitor(capacity_mb=0)
+    with pytest.raises(ValueError, match=r"`capacity_mb\['gpu0'\]` must be"):
+        MemoryMonitor(capacity_mb={"gpu0": -1})
+    with pytest.raises(TypeError, match="Argument `host` must be a bool"):
+        MemoryMonitor(host=1)
+    with pytest.raises(ValueError, match="`update_freq` must be 'epoch' or"):
+        MemoryMonitor(update_freq=0)
+    with pytest.raises(TypeError, match="`gather_workers` must be a bool"):
+        MemoryMonitor(gather_workers="yes")
+
+
+@pytest.mark.slow
+@pytest.mark.keras_limit
+def test_keras_set_random_seed_imports_tensorflow_on_jax():
+    """Keras 3.15's `keras.utils.set_random_seed` imports TensorFlow when
+    it is installed, on the JAX backend too (to seed `tf.random`): a JAX
+    user who seeds pays TensorFlow's import (seconds, and GPU memory where
+    it sees a GPU) though no keras_mgpu monitor touches it. Fails once Keras
+    imports TensorFlow only where it runs."""
+    import subprocess
+
+    code = (
+        "import sys, keras; keras.utils.set_random_seed(1); "
+        "print('tensorflow' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KERAS_BACKEND": "jax"},
+    )
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stderr
