@@ -568,7 +568,9 @@ def _explained(
         if first.out_of_memory
         else f"its measured peak is {first.peak_mb:,.1f} MB"
     )
-    less = f" (the budget less the {margin:.0%} safety margin)" if margin else ""
+    less = (
+        f" (the budget less the {margin:.0%} safety margin)" if margin else ""
+    )
     message = (
         f"{argument}: {error}{less}. That is the fixed cost of training this "
         f"model (weights, optimizer state, one step at batch "

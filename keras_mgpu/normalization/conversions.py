@@ -356,8 +356,8 @@ def freeze_batchnorm(model: Any, *, frozen: bool = True) -> Any:
     compiled itself). On JAX, freeze before the first `fit` (compiling
     before is fine): Keras's JAX trainer needs the optimizer built with
     exactly the trainable variables, so after a `fit` a UserWarning asks
-    to compile again with a new optimizer. The optimizer keeps its state for `gamma`/`beta`;
-    they simply receive no more gradients.
+    to compile again with a new optimizer. The optimizer keeps its
+    state for `gamma`/`beta`; they simply receive no more gradients.
 
     Args:
         model: a Keras 3 or tf_keras model or layer.

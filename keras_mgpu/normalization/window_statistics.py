@@ -397,7 +397,9 @@ def _advance_window(layer, state, inputs, mask, old_mean, old_var, active):
     safe_total = ops.maximum(total, ops.ones_like(total))
     delta = batch_mean - mean
     merged_mean = mean + delta * (n / safe_total)
-    merged_m2 = m2 + batch_var * n + ops.square(delta) * (count * n / safe_total)
+    merged_m2 = (
+        m2 + batch_var * n + ops.square(delta) * (count * n / safe_total)
+    )
     calls = calls + 1.0
     last = calls >= float(layer.__dict__[_WINDOW])
     moves = ops.logical_and(last, total > 0)

@@ -50,9 +50,7 @@ def compiled_need_mb(model: keras.Model, batch: int) -> float:
         jax.ShapeDtypeStruct((batch, 1), "float32"),
     )
     compiled = (
-        jax.jit(model.train_step, donate_argnums=0)
-        .lower(state, data)
-        .compile()
+        jax.jit(model.train_step, donate_argnums=0).lower(state, data).compile()
     )
     m = compiled.memory_analysis()
     need = (
@@ -74,6 +72,7 @@ def found():
     return model, weights, result
 
 
+@pytest.mark.slow
 def test_answer_fits_and_the_next_candidate_does_not(found):
     model, weights, result = found
     assert result.measured_by == "compiled" and result.safety_margin == 0
@@ -113,6 +112,7 @@ def test_cap_and_multiple_of():
     assert result.limited_by == "max_batch_size"
 
 
+@pytest.mark.slow
 def test_configure_batch_under_data_parallel():
     devices = keras.distribution.list_devices("cpu")
     distribution = keras.distribution.DataParallel(devices=devices)
@@ -131,9 +131,7 @@ def test_configure_batch_under_data_parallel():
     # Per device: each replica's share of the batch, the weights whole.
     assert BUDGET_MB / 2 < search.measured_peak_mb <= BUDGET_MB
     assert setup.per_replica_batch_size <= search.batch_size < 4096
-    assert (
-        setup.per_replica_batch_size * 4 * setup.accumulation_steps == 16384
-    )
+    assert setup.per_replica_batch_size * 4 * setup.accumulation_steps == 16384
     assert setup.accumulation_steps > 1
     assert isinstance(setup.optimizer, GradientAccumulationOptimizer)
     assert setup.learning_rate == pytest.approx(0.1 * 16384 / 256)

@@ -79,6 +79,7 @@ def large_copies():
     return fit(deep_model(), X_COPIES, Y_COPIES, MICRO * K)
 
 
+@pytest.mark.slow
 def test_window_equals_the_large_batch_with_keras_accumulation(large_copies):
     # Every micro-batch is one block: the large batch's statistics, so the
     # accumulated run's weights and moving statistics must be the large

@@ -124,9 +124,7 @@ class StepMemory:
         if self.distribution is not None:
             layout = self.distribution.get_data_layout(array.shape)
             sharding = getattr(layout, "backend_layout", None)
-        return jax.ShapeDtypeStruct(
-            array.shape, array.dtype, sharding=sharding
-        )
+        return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=sharding)
 
     def confirm(self, batch_size: int) -> float:
         """Run `CONFIRM_STEPS` steps of `fit` on the copy at `batch_size`
@@ -161,9 +159,10 @@ class StepMemory:
                     callbacks=[StepTimes()],
                 )
         except Exception as exc:  # noqa: BLE001 - XLA's error class varies
-            if "RESOURCE_EXHAUSTED" in str(exc) or "out of memory" in str(
-                exc
-            ).lower():
+            if (
+                "RESOURCE_EXHAUSTED" in str(exc)
+                or "out of memory" in str(exc).lower()
+            ):
                 raise OutOfMemory(_first_line(exc)) from exc
             raise
         return seconds[-1]
