@@ -286,6 +286,15 @@ def find_batch_size(
     model.compile(optimizer="adam", loss="mse")
     result = keras_mgpu.find_batch_size(model, (x, y), memory_budget_mb=512)
     print(result.batch_size, result.fixed_mb, result.per_sample_mb)
+
+    # KERAS_BACKEND=jax: compiled, not run; the batch per device.
+    distribution = keras.distribution.DataParallel()
+    with distribution.scope():
+        model = make_model()
+        model.compile(optimizer="adam", loss="mse")
+    result = keras_mgpu.find_batch_size(
+        model, (x, y), memory_fraction=0.8, strategy=distribution
+    )
     ```
     """
     return probe_batch_size(
