@@ -3,6 +3,7 @@ pieces, with the micro-batch measured to fit in memory."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -94,6 +95,14 @@ def configure_batch(
     by default; every worker's under `MultiWorkerMirroredStrategy`, where
     all workers get the same setup). Call it after compiling the model in
     the strategy's scope, then compile again with `setup.optimizer`.
+
+    **On JAX.** `strategy` is a `keras.distribution` (default: the one in
+    force); the replicas are its data-parallel size (the batch axis of its
+    mesh), and the search reads XLA's compiled step (see
+    `find_batch_size`), with Keras's own accumulation buffers in the
+    copy's optimizer. `memory_budget_mb` is required on CPU. Build and
+    compile the model, and compile it again with `setup.optimizer`,
+    inside `distribution.scope()`.
 
     Args:
         model: a compiled Keras model (see `find_batch_size`).
@@ -222,7 +231,9 @@ def _training_optimizer(model: Any, strategy: Any, steps: int) -> Any:
     innermost = _innermost(current)
     keras = keras_of(flavour_of(innermost))
     config = keras.saving.serialize_keras_object(innermost)
-    with strategy.scope():
+    # On JAX without a distribution there is no scope to enter.
+    scope = contextlib.nullcontext() if strategy is None else strategy.scope()
+    with scope:
         inner = keras.saving.deserialize_keras_object(config)
         if steps == 1 and not correction:
             return inner

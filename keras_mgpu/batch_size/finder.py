@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_mgpu import backend
 from keras_mgpu._flavour import tf
 from keras_mgpu._validation import check_int, check_number
 from keras_mgpu.batch_size import memory_probe as probe_module
@@ -51,7 +52,10 @@ class BatchSizeResult:
     Memory figures are TensorFlow allocator peaks of one training step on
     the probe device, in MB (2**20 bytes), above what the device held
     before the probe: the model's weights, optimizer state, the batch and
-    the step's activations, gradients and workspace.
+    the step's activations, gradients and workspace. On JAX
+    (`measured_by == "compiled"`) they are what XLA's compiled step needs
+    on one device (arguments + outputs - donated + temporaries), read
+    without running it.
 
     Attributes:
         batch_size: the largest per-replica batch that fits (a multiple of
@@ -81,7 +85,10 @@ class BatchSizeResult:
         safety_margin: the fraction of the budget kept free: every probe
             counted as fitting (and `peak_mb`) stays within
             `budget_mb * (1 - safety_margin)`, for how much higher a
-            training run's step peaks go (see `SAFETY_MARGIN`).
+            training run's step peaks go (see `SAFETY_MARGIN`); 0 on JAX,
+            where the compiled need does not vary from step to step.
+        measured_by: "allocator" (TensorFlow's allocator peaks of run
+            steps) or "compiled" (XLA's compiled memory analysis, JAX).
     """
 
     batch_size: int
@@ -100,11 +107,36 @@ class BatchSizeResult:
     search_seconds: float
     model_name: str = ""
     safety_margin: float = SAFETY_MARGIN
+    measured_by: str = "allocator"
 
     @property
     def search_budget_mb(self) -> float:
         """The budget less the safety margin: what the steps had to fit."""
         return self.budget_mb * (1 - self.safety_margin)
+
+    def _explain_compiled(self) -> str:
+        text = (
+            f"One training step of {self.model_name!r} (forward, backward "
+            "and optimizer update, compiled by XLA for each candidate "
+            f"batch and not run) needs {self.fixed_mb:,.1f} MB + "
+            f"{self.per_sample_mb:,.4g} MB per sample on one device "
+            f"({self.device}; XLA's memory analysis of "
+            f"{len(self.measurements)} compilations). Within the budget of "
+            f"{self.budget_mb:,.1f} MB ({self.budget_source}) the largest "
+            f"batch per replica is {self.batch_size:,}: it needs "
+            f"{self.measured_peak_mb:,.1f} MB"
+        )
+        if self.limited_by == "max_batch_size":
+            text += ", and it is the cap (max_batch_size)"
+        elif self.upper_bound is not None:
+            text += f"; {self.upper_bound:,} did not fit"
+        if self.limited_by == "trials":
+            text += " (the search stopped at max_trials)"
+        return text + (
+            f". The search and a short `fit` at the answer took "
+            f"{self.search_seconds:.1f} s; one step takes "
+            f"{1e3 * self.seconds_per_sample:.3g} ms per sample."
+        )
 
     def predict_peak_mb(self, batch_size: int) -> float:
         """The fitted line's peak for `batch_size` (MB)."""
@@ -112,6 +144,8 @@ class BatchSizeResult:
 
     def explain(self) -> str:
         """What was measured and why this batch, in one paragraph."""
+        if self.measured_by == "compiled":
+            return self._explain_compiled()
         text = (
             f"One training step of {self.model_name!r} (forward, backward "
             f"and optimizer update, run on a copy on {self.device}) needs "
@@ -159,6 +193,9 @@ def find_batch_size(
 ) -> BatchSizeResult:
     """The largest per-replica batch whose training step fits in memory.
 
+    On TensorFlow it measures run steps; on JAX it reads what XLA's
+    compiled step needs (see "On JAX" below).
+
     Runs real training steps (forward, backward, optimizer update, the
     model's own `train_step`) of a copy of `model` on one device and
     reads TensorFlow's allocator peak (`get_memory_info`) after each: first
@@ -189,6 +226,25 @@ def find_batch_size(
     allocator statistics only with `TF_ENABLE_ONEDNN_OPTS=1` set before it
     starts, and they are process-wide.
 
+    **On JAX.** Nothing runs out of memory to find the answer: the copy's
+    `train_step` (the stateless step Keras's JAX trainer jits, state
+    donated) is compiled for each candidate batch and not run, and XLA's
+    memory analysis gives what one device needs (arguments + outputs -
+    donated + temporaries). The need is close to affine in the batch, so a
+    few compilations bracket the largest batch within ~3%; a short `fit`
+    of the copy at the answer confirms it runs (an out-of-memory error
+    there steps it down). The budget is `memory_fraction` (default 0.9)
+    of the device's limit (`memory_stats()["bytes_limit"]`, GPU and TPU;
+    the smallest over the distribution's devices), or `memory_budget_mb`,
+    which is required on CPU (it reports no limit). No safety margin is
+    kept (`safety_margin` 0): the compiled need does not vary between
+    steps. `strategy` is a `keras.distribution` (default: the one in
+    force): the step is compiled for the global batch (per-replica batch
+    x the data-parallel size) over its mesh, and the figures are per
+    device, so `ModelParallel`'s sharded weights count as they are laid
+    out. `device` names a JAX device ("gpu:0") whose limit sets the
+    budget.
+
     Args:
         model: a compiled Keras model (Sequential, Functional, or a subclass
             with `get_config`); it is copied, never trained.
@@ -203,7 +259,9 @@ def find_batch_size(
         memory_budget_mb: float > 0 or None, the budget in MB (2**20 bytes).
         multiple_of: int >= 1, the batch is a multiple of it (e.g. 8 on
             GPUs with tensor cores).
-        strategy: the training strategy; defaults to the model's.
+        strategy: the training strategy; defaults to the model's. On JAX
+            a `keras.distribution.Distribution` (default: the one in
+            force).
         max_trials: int >= 3, the most probes of the search (default 16;
             the confirmation of its answer comes on top).
         verbose: int, 1 prints `explain()` (on the chief).
@@ -218,6 +276,8 @@ def find_batch_size(
         TypeError: a model that cannot be copied.
         RuntimeError: no allocator statistics on the device (says what to
             set).
+        ValueError (JAX): no `memory_budget_mb` on a device that reports
+            no limit (CPU).
 
     Example:
 
@@ -226,6 +286,15 @@ def find_batch_size(
     model.compile(optimizer="adam", loss="mse")
     result = keras_mgpu.find_batch_size(model, (x, y), memory_budget_mb=512)
     print(result.batch_size, result.fixed_mb, result.per_sample_mb)
+
+    # KERAS_BACKEND=jax: compiled, not run; the batch per device.
+    distribution = keras.distribution.DataParallel()
+    with distribution.scope():
+        model = make_model()
+        model.compile(optimizer="adam", loss="mse")
+    result = keras_mgpu.find_batch_size(
+        model, (x, y), memory_fraction=0.8, strategy=distribution
+    )
     ```
     """
     return probe_batch_size(
@@ -264,6 +333,22 @@ def probe_batch_size(
     )
     max_trials = check_int(max_trials, "max_trials", minimum=3)
     verbose = check_int(verbose, "verbose", minimum=0)
+    if backend.is_jax():
+        from keras_mgpu.batch_size.compiled_search import probe_compiled
+
+        return probe_compiled(
+            model,
+            data,
+            memory_fraction=memory_fraction,
+            max_batch_size=max_batch_size,
+            device=device,
+            memory_budget_mb=memory_budget_mb,
+            multiple_of=multiple_of,
+            strategy=strategy,
+            max_trials=max_trials,
+            verbose=verbose,
+            accumulate=accumulate,
+        )
     strategy = current_strategy(
         strategy or getattr(model, "distribute_strategy", None)
     )
@@ -470,7 +555,11 @@ def _result(rows, outcome, device, source, name) -> BatchSizeResult:
 
 
 def _explained(
-    error: Exception, fraction: float | None, budget: float | None, source
+    error: Exception,
+    fraction: float | None,
+    budget: float | None,
+    source,
+    margin: float = SAFETY_MARGIN,
 ) -> Exception:
     """`BudgetTooSmall` as a ValueError naming the budget argument; other
     errors unchanged."""
@@ -488,9 +577,11 @@ def _explained(
         if first.out_of_memory
         else f"its measured peak is {first.peak_mb:,.1f} MB"
     )
+    less = (
+        f" (the budget less the {margin:.0%} safety margin)" if margin else ""
+    )
     message = (
-        f"{argument}: {error} (the budget less the {SAFETY_MARGIN:.0%} "
-        "safety margin). That is the fixed cost of training this "
+        f"{argument}: {error}{less}. That is the fixed cost of training this "
         f"model (weights, optimizer state, one step at batch "
         f"{first.batch_size}): {figure}."
     )

@@ -155,10 +155,17 @@ class ModelBlueprint:
 
 
 def _with_accumulation(optimizer: Any, keras: Any) -> Any:
+    from keras_mgpu.backend import is_jax
     from keras_mgpu.optimizers import GradientAccumulationOptimizer
 
     if isinstance(optimizer, str | dict):
         optimizer = keras.optimizers.get(optimizer)
+    if is_jax() and not isinstance(optimizer, GradientAccumulationOptimizer):
+        # Keras's own accumulation keeps the same buffers (one per
+        # trainable variable), and needs no keras_mgpu step on JAX.
+        config = optimizer.get_config()
+        config["gradient_accumulation_steps"] = 2
+        return type(optimizer).from_config(config)
     if isinstance(optimizer, GradientAccumulationOptimizer):
         return optimizer
     # The accumulators' memory does not depend on the number of steps.

@@ -7,11 +7,12 @@ not on its values, so the probe repeats the samples it has: a batch of
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
 
-from keras_mgpu._flavour import tf
+from keras_mgpu._flavour import TF_RUNS, tf
 
 _DATA_FORMS = (
     "an `x` array (or dict / list of arrays), an `(x, y)` or "
@@ -33,7 +34,7 @@ class SampleBatches:
             raise TypeError(
                 f"Argument `data` must be {_DATA_FORMS}. Received: data=None"
             )
-        if isinstance(data, tf.data.Dataset):
+        if _is_dataset(data):
             data = self._first_batch(data)
         parts = tuple(data) if isinstance(data, tuple) else (data,)
         if not 1 <= len(parts) <= 3:
@@ -43,7 +44,7 @@ class SampleBatches:
             )
         parts = parts + (None,) * (3 - len(parts))
         self._parts = tuple(
-            None if part is None else tf.nest.map_structure(_to_numpy, part)
+            None if part is None else _map_structure(_to_numpy, part)
             for part in parts
         )
         self.num_samples = self._count_samples()
@@ -62,7 +63,7 @@ class SampleBatches:
             leaf.shape[0] if leaf.ndim else None
             for part in self._parts
             if part is not None
-            for leaf in tf.nest.flatten(part)
+            for leaf in _flatten(part)
         }
         if None in counts:
             raise ValueError(
@@ -87,13 +88,41 @@ class SampleBatches:
         return tuple(
             None
             if part is None
-            else tf.nest.map_structure(lambda a: np.take(a, index, 0), part)
+            else _map_structure(lambda a: np.take(a, index, 0), part)
             for part in self._parts
         )
 
 
+def _tensorflow_loaded() -> bool:
+    # Off TensorFlow, a tf.data or tf.Tensor input can only exist once the
+    # user imported TensorFlow: never import it to ask.
+    return TF_RUNS or "tensorflow" in sys.modules
+
+
+def _is_dataset(data: Any) -> bool:
+    return _tensorflow_loaded() and isinstance(data, tf.data.Dataset)
+
+
+def _map_structure(function: Any, structure: Any) -> Any:
+    if TF_RUNS:
+        return tf.nest.map_structure(function, structure)
+    import keras
+
+    return keras.tree.map_structure(function, structure)
+
+
+def _flatten(structure: Any) -> list:
+    if TF_RUNS:
+        return tf.nest.flatten(structure)
+    import keras
+
+    return keras.tree.flatten(structure)
+
+
 def _to_numpy(value: Any) -> np.ndarray:
-    if isinstance(value, tf.RaggedTensor | tf.SparseTensor):
+    if _tensorflow_loaded() and isinstance(
+        value, tf.RaggedTensor | tf.SparseTensor
+    ):
         raise TypeError(
             "Argument `data` holds a ragged or sparse tensor: the memory "
             "probe needs dense arrays."

@@ -19,7 +19,7 @@ import sys
 import warnings
 from typing import Any
 
-from keras_mgpu._flavour import keras_of, object_flavour
+from keras_mgpu._flavour import TF_RUNS, keras_of, object_flavour
 from keras_mgpu._validation import check_int
 from keras_mgpu.normalization._find import (
     batchnorm_layers,
@@ -229,7 +229,8 @@ def _unset_synchronized(layer: Any, keras: Any) -> None:
 
 def synchronize_batchnorm(model: Any, *, synchronized: bool = True) -> Any:
     """Make every BatchNormalization layer of `model` compute its batch
-    statistics over all replicas (in place).
+    statistics over all replicas (in place) under `tf.distribute`; on JAX
+    they already do, and nothing changes.
 
     Each BatchNormalization layer (nested models and tracked sublayers
     included, both Keras flavours) normalises with the mean and variance of
@@ -260,6 +261,19 @@ def synchronize_batchnorm(model: Any, *, synchronized: bool = True) -> Any:
     **Compiled models.** The step functions are traced anew at the next
     `fit`/`evaluate`/`predict`; no need to compile again.
 
+    **On JAX (`keras.distribution`) it is a no-op.** Keras's JAX trainer
+    jits the step for the whole global batch: under `DataParallel`, and
+    under `ModelParallel` with a batch axis, BatchNormalization's mean and
+    variance are taken over the global batch (XLA inserts the
+    cross-device reductions) and every device's moving statistics equal
+    those of one device on the same global batch (tested to 1e-6). So
+    there is nothing to synchronise: the layers are only marked
+    "synchronized" (undone with `synchronized=False`), their
+    `synchronized` attribute stays as it is (Keras refuses
+    `synchronized=True` off TensorFlow), and an INFO log
+    (logger `keras_mgpu.normalization.conversions`) says so. The same
+    model code thus runs on both backends.
+
     Args:
         model: a Keras 3 or tf_keras model or layer.
         synchronized: bool (default True). False undoes the call: each
@@ -283,6 +297,9 @@ def synchronize_batchnorm(model: Any, *, synchronized: bool = True) -> Any:
     keras = _keras_for(model)
     synchronized = _check_bool(synchronized, "synchronized")
     layers = _layers_or_warn(model, "synchronize_batchnorm")
+    if not TF_RUNS:
+        _mark_synchronized_only(layers, synchronized)
+        return model
     for layer in layers:
         if synchronized:
             _set_synchronized(layer, keras)
@@ -291,6 +308,25 @@ def synchronize_batchnorm(model: Any, *, synchronized: bool = True) -> Any:
     if layers:
         _refresh_compiled(model)
     return model
+
+
+def _mark_synchronized_only(layers: list, synchronized: bool) -> None:
+    """`synchronize_batchnorm` where TensorFlow does not run (JAX): the
+    jitted step of `keras.distribution` computes BatchNormalization's
+    statistics over the global batch already; record the choice only."""
+    for layer in layers:
+        if synchronized and choice_of(layer) is None:
+            mark_choice(layer, "synchronized")
+        elif not synchronized and choice_of(layer) == "synchronized":
+            mark_choice(layer, None)
+    if synchronized and layers:
+        logger.info(
+            "synchronize_batchnorm: nothing to do on the JAX backend: under "
+            "keras.distribution (DataParallel, or ModelParallel with a "
+            "batch axis) BatchNormalization already uses the global "
+            "batch's statistics; %d layer(s) marked 'synchronized'.",
+            len(layers),
+        )
 
 
 # ----------------------------------------------------------------------
@@ -317,8 +353,11 @@ def freeze_batchnorm(model: Any, *, frozen: bool = True) -> Any:
     the next `fit` without compiling again: it has the compiled step
     functions traced anew and updates Keras's record of the compiled
     flags. Pass the model you compiled (or a model inside it that is
-    compiled itself). The optimizer keeps its state for `gamma`/`beta`;
-    they simply receive no more gradients.
+    compiled itself). On JAX, freeze before the first `fit` (compiling
+    before is fine): Keras's JAX trainer needs the optimizer built with
+    exactly the trainable variables, so after a `fit` a UserWarning asks
+    to compile again with a new optimizer. The optimizer keeps its
+    state for `gamma`/`beta`; they simply receive no more gradients.
 
     Args:
         model: a Keras 3 or tf_keras model or layer.
@@ -348,6 +387,7 @@ def freeze_batchnorm(model: Any, *, frozen: bool = True) -> Any:
     _keras_for(model)
     frozen = _check_bool(frozen, "frozen")
     layers = _layers_or_warn(model, "freeze_batchnorm")
+    was_trainable = [v for layer in layers for v in layer.trainable_weights]
     for layer in layers:
         saved = _saved(layer)
         if frozen:
@@ -370,6 +410,8 @@ def freeze_batchnorm(model: Any, *, frozen: bool = True) -> Any:
                     mark_choice(layer, record["choice"])
     if layers:
         _refresh_compiled(model)
+    if frozen and not TF_RUNS:
+        _warn_jax_optimizer_built(model, was_trainable)
     if not frozen:
         unknown = _unknown_to_optimizer(
             model, [v for layer in layers for v in layer.trainable_weights]
@@ -386,6 +428,28 @@ def freeze_batchnorm(model: Any, *, frozen: bool = True) -> Any:
                 stacklevel=2,
             )
     return model
+
+
+def _warn_jax_optimizer_built(model: Any, variables: list) -> None:
+    """On JAX, Keras's trainer hands the optimizer exactly the model's
+    trainable variables, which must be those it was built with (Keras 3.15
+    `BaseOptimizer.stateless_apply` raises otherwise): an optimizer built
+    with the layers' `gamma`/`beta` (a `fit` ran before freezing) cannot
+    train the frozen model."""
+    known = len(variables) - len(_unknown_to_optimizer(model, variables))
+    optimizer = getattr(model, "optimizer", None)
+    if not known or optimizer is None or not optimizer.built:
+        return
+    warnings.warn(
+        "`freeze_batchnorm(model)` on JAX: the model's optimizer was built "
+        f"(by a `fit`) with {known} variables of the BatchNormalization "
+        "layers now frozen; Keras's JAX trainer requires the optimizer's "
+        "variables to match the trainable ones. Compile the model again, "
+        "with a new optimizer, before `fit` (or freeze before the first "
+        "`fit`).",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 # ----------------------------------------------------------------------

@@ -30,6 +30,7 @@ from typing import Any
 
 from keras_mgpu._flavour import (
     FLAVOUR,
+    TF_RUNS,
     do_not_convert,
     flavour_of,
     keras_of,
@@ -127,7 +128,11 @@ def _tf_variable(variable: Any) -> Any:
 
 def _strategy_scope_of(variable: Any):
     """Enter the strategy `variable` was made under (new state must be
-    distributed like the moving statistics), unless already inside it."""
+    distributed like the moving statistics), unless already inside it.
+    Nothing to enter where TensorFlow does not run (on JAX the new state
+    takes the moving statistics' layout: `backend.jax.variables`)."""
+    if not TF_RUNS:
+        return contextlib.nullcontext()
     strategy = getattr(_tf_variable(variable), "distribute_strategy", None)
     if not isinstance(strategy, tf.distribute.Strategy):
         return contextlib.nullcontext()
@@ -136,6 +141,86 @@ def _strategy_scope_of(variable: Any):
     ):
         return contextlib.nullcontext()
     return strategy.scope()
+
+
+# ---------------------------------------------------------------------------
+# The ops the window's math is written against: `keras.ops` for Keras 3 on
+# any backend; TensorFlow's own for tf_keras (a tf_keras process does not
+# load Keras 3).
+# ---------------------------------------------------------------------------
+
+
+class _TensorFlowOps:
+    """The `keras.ops` names the window's math uses, for tf_keras."""
+
+    @staticmethod
+    def convert_to_tensor(x):
+        return tf.convert_to_tensor(x)
+
+    @staticmethod
+    def copy(x):
+        return tf.identity(x)
+
+    @staticmethod
+    def size(x):
+        return tf.size(x)
+
+    @staticmethod
+    def cast(x, dtype):
+        return tf.cast(x, dtype)
+
+    @staticmethod
+    def sum(x):
+        return tf.reduce_sum(x)
+
+    @staticmethod
+    def maximum(x, y):
+        return tf.maximum(x, y)
+
+    @staticmethod
+    def square(x):
+        return tf.square(x)
+
+    @staticmethod
+    def where(condition, x, y):
+        return tf.where(condition, x, y)
+
+    @staticmethod
+    def logical_and(x, y):
+        return tf.logical_and(x, y)
+
+    @staticmethod
+    def ones_like(x):
+        return tf.ones_like(x)
+
+    @staticmethod
+    def zeros_like(x):
+        return tf.zeros_like(x)
+
+
+def _ops_of(layer: Any) -> Any:
+    if flavour_of(layer) == "tf_keras":
+        return _TensorFlowOps
+    import keras as keras3
+
+    return keras3.ops
+
+
+def _dtype_name(dtype: Any) -> str:
+    # A string (Keras 3 variables), a tf.DType or a NumPy dtype (JAX arrays).
+    return dtype if isinstance(dtype, str) else dtype.name
+
+
+def _static_bool(value: Any) -> Any:
+    """`value` as a Python bool when it is known before the step runs, else
+    None (a symbolic tensor or a JAX tracer)."""
+    if TF_RUNS and tf.is_tensor(value):
+        static = tf.get_static_value(value)
+        return None if static is None else bool(static)
+    try:
+        return bool(value)
+    except Exception:  # noqa: BLE001 - a tracer cannot be a Python bool
+        return None
 
 
 # ---------------------------------------------------------------------------
@@ -213,9 +298,11 @@ class _WindowStatisticsMixin:
         ):
             return super().call(inputs, training=training, mask=mask)
         # Read before Keras's update: automatic control dependencies keep
-        # program order between these reads and its assignments.
-        old_mean = tf.identity(tf.convert_to_tensor(self.moving_mean))
-        old_var = tf.identity(tf.convert_to_tensor(self.moving_variance))
+        # program order between these reads and its assignments (JAX: the
+        # stateless scope hands out the value before the assignment).
+        ops = _ops_of(self)
+        old_mean = ops.copy(ops.convert_to_tensor(self.moving_mean))
+        old_var = ops.copy(ops.convert_to_tensor(self.moving_variance))
         outputs = super().call(inputs, training=training, mask=mask)
         _advance_window(self, state, inputs, mask, old_mean, old_var, active)
         return outputs
@@ -243,45 +330,45 @@ def _training_value(layer: Any, training: Any) -> Any:
         training = _current_training()
     if training is None:
         return False
-    if not tf.is_tensor(training):
-        return bool(training)
-    static = tf.get_static_value(training)
+    static = _static_bool(training)
     if static is not None:
-        return bool(static)
-    return tf.cast(training, tf.bool)
+        return static
+    return _ops_of(layer).cast(training, "bool")
 
 
 def _count(layer: Any, inputs: Any, mask: Any, channels: Any) -> Any:
     """Examples per channel the layer's statistics were taken over."""
-    size = tf.cast(tf.size(inputs), tf.float32)
+    ops = _ops_of(layer)
+    size = ops.cast(ops.size(inputs), "float32")
     # tf_keras's fused kernel ignores the mask (and says so).
     if mask is None or getattr(layer, "fused", False):
         return size / channels
-    weights = tf.cast(mask, tf.float32)
+    weights = ops.cast(mask, "float32")
     # Both flavours broadcast the mask over the channel axis.
     return (
-        tf.reduce_sum(weights)
+        ops.sum(weights)
         * size
-        / (tf.cast(tf.size(weights), tf.float32) * channels)
+        / (ops.cast(ops.size(weights), "float32") * channels)
     )
 
 
-def _bessel(n: Any, inverse: bool = False) -> Any:
+def _bessel(ops: Any, n: Any, inverse: bool = False) -> Any:
     """n / (n - 1) (or its inverse); 1 where n <= 1."""
-    safe = tf.maximum(n, tf.constant(2.0, n.dtype))
+    safe = ops.maximum(n, 2.0)
     factor = (safe - 1.0) / safe if inverse else safe / (safe - 1.0)
-    return tf.where(n > 1.0, factor, tf.ones_like(factor))
+    return ops.where(n > 1.0, factor, ops.ones_like(factor))
 
 
 def _advance_window(layer, state, inputs, mask, old_mean, old_var, active):
     """Fold this call's statistics into the window; at its last call, move
     the moving statistics once, with the window's statistics; otherwise put
     them back as they were."""
+    ops = _ops_of(layer)
     calls_v, count_v, mean_v, m2_v = state
-    dtype = old_mean.dtype
+    dtype = _dtype_name(old_mean.dtype)
     momentum = float(layer.momentum)
-    new_mean = tf.convert_to_tensor(layer.moving_mean)
-    new_var = tf.convert_to_tensor(layer.moving_variance)
+    new_mean = ops.convert_to_tensor(layer.moving_mean)
+    new_var = ops.convert_to_tensor(layer.moving_variance)
     # Keras moved each statistic by (1 - momentum) towards the
     # micro-batch's; undo that to read the micro-batch's mean and biased
     # variance. The rounding this amplifies by 1 / (1 - momentum) is scaled
@@ -289,8 +376,8 @@ def _advance_window(layer, state, inputs, mask, old_mean, old_var, active):
     decay = 1.0 - momentum
     batch_mean = (new_mean - momentum * old_mean) / decay
     batch_var = (new_var - momentum * old_var) / decay
-    channels = tf.cast(tf.size(old_mean), tf.float32)
-    n = tf.cast(_count(layer, inputs, mask, channels), dtype)
+    channels = ops.cast(ops.size(old_mean), "float32")
+    n = ops.cast(_count(layer, inputs, mask, channels), dtype)
 
     # tf_keras's fused kernel (4-D and 5-D inputs) moves the variance
     # towards the micro-batch's unbiased variance (measured with TF 2.21 in
@@ -298,44 +385,46 @@ def _advance_window(layer, state, inputs, mask, old_mean, old_var, active):
     # the window's the same correction, as its large batch would.
     bessel = bool(getattr(layer, "fused", False))
     if bessel:
-        batch_var = batch_var * _bessel(n, inverse=True)
+        batch_var = batch_var * _bessel(ops, n, inverse=True)
 
-    calls = tf.convert_to_tensor(calls_v)
-    count = tf.convert_to_tensor(count_v)
-    mean = tf.convert_to_tensor(mean_v)
-    m2 = tf.convert_to_tensor(m2_v)
+    calls = ops.convert_to_tensor(calls_v)
+    count = ops.convert_to_tensor(count_v)
+    mean = ops.convert_to_tensor(mean_v)
+    m2 = ops.convert_to_tensor(m2_v)
     # Pairwise merge of (count, mean, M2): exact for any micro-batch sizes
     # and free of the cancellation of E[x^2] - E[x]^2.
     total = count + n
-    safe_total = tf.maximum(total, tf.ones_like(total))
+    safe_total = ops.maximum(total, ops.ones_like(total))
     delta = batch_mean - mean
     merged_mean = mean + delta * (n / safe_total)
-    merged_m2 = m2 + batch_var * n + tf.square(delta) * (count * n / safe_total)
+    merged_m2 = (
+        m2 + batch_var * n + ops.square(delta) * (count * n / safe_total)
+    )
     calls = calls + 1.0
     last = calls >= float(layer.__dict__[_WINDOW])
-    moves = tf.logical_and(last, total > 0)
+    moves = ops.logical_and(last, total > 0)
     window_var = merged_m2 / safe_total
     if bessel:
-        window_var = window_var * _bessel(total)
+        window_var = window_var * _bessel(ops, total)
     moved_mean = old_mean * momentum + merged_mean * decay
     moved_var = old_var * momentum + window_var * decay
 
     def pick(condition, a, b):
-        return tf.where(condition, a, b)
+        return ops.where(condition, a, b)
 
     updates = [
         (layer.moving_mean, pick(moves, moved_mean, old_mean), new_mean),
         (layer.moving_variance, pick(moves, moved_var, old_var), new_var),
-        (calls_v, pick(last, tf.zeros_like(calls), calls), calls_v),
-        (count_v, pick(last, tf.zeros_like(total), total), count_v),
-        (mean_v, pick(last, tf.zeros_like(mean), merged_mean), mean_v),
-        (m2_v, pick(last, tf.zeros_like(m2), merged_m2), m2_v),
+        (calls_v, pick(last, ops.zeros_like(calls), calls), calls_v),
+        (count_v, pick(last, ops.zeros_like(total), total), count_v),
+        (mean_v, pick(last, ops.zeros_like(mean), merged_mean), mean_v),
+        (m2_v, pick(last, ops.zeros_like(m2), merged_m2), m2_v),
     ]
     for variable, value, unchanged in updates:
         if active is not True:
             # `training` is a tensor: leave everything as the class's
             # `call` left it when it is False.
-            value = tf.where(active, value, tf.convert_to_tensor(unchanged))
+            value = ops.where(active, value, ops.convert_to_tensor(unchanged))
         variable.assign(value)
 
 
@@ -349,7 +438,7 @@ def _ensure_state(layer: Any) -> None:
     if moving_mean is None:
         return  # Not built yet: `build` comes back here.
     flavour = flavour_of(layer)
-    dtype = tf.as_dtype(moving_mean.dtype)
+    dtype = _dtype_name(moving_mean.dtype)
     shapes = ((), (), tuple(moving_mean.shape), tuple(moving_mean.shape))
     state = []
     # tf_keras names variables after the name scope at creation (its build
@@ -366,7 +455,7 @@ def _ensure_state(layer: Any) -> None:
                 variable = layer.add_weight(
                     name=name,
                     shape=shape,
-                    dtype=dtype,
+                    dtype=tf.as_dtype(dtype),
                     initializer="zeros",
                     trainable=False,
                     synchronization=tf.VariableSynchronization.ON_READ,
@@ -380,12 +469,17 @@ def _ensure_state(layer: Any) -> None:
                 variable = layer.add_weight(
                     name=name,
                     shape=shape,
-                    dtype=dtype.name,
+                    dtype=dtype,
                     initializer="zeros",
                     trainable=False,
                     autocast=False,
                 )
             state.append(variable)
+    if flavour == "keras3" and not TF_RUNS:
+        from keras_mgpu.backend.jax.variables import place_like
+
+        for variable in state:
+            place_like(variable, moving_mean)
     object.__setattr__(layer, _STATE, tuple(state))
 
 
@@ -473,11 +567,15 @@ def _window_of(window: Any, optimizer: Any) -> int:
             )
         return check_int(window, "window", minimum=1)
     steps = getattr(optimizer, "accumulation_steps", None)
+    if steps is None:
+        # A Keras optimizer with Keras's own accumulation.
+        steps = getattr(optimizer, "gradient_accumulation_steps", None)
     if not isinstance(steps, int) or isinstance(steps, bool):
         raise TypeError(
             "Argument `optimizer` must be a keras_mgpu "
             "GradientAccumulationOptimizer (its `accumulation_steps` is the "
-            f"window). Received: optimizer={optimizer!r}"
+            "window) or a Keras optimizer with `gradient_accumulation_steps`"
+            f" set. Received: optimizer={optimizer!r}"
         )
     if window is not None:
         raise ValueError(
@@ -652,6 +750,15 @@ def use_window_statistics(
     are kept per replica in the same way. With `synchronized=True` the
     micro-batch statistics are global and every replica's window matches.
 
+    On JAX (`keras.distribution`): the jitted step is the global program,
+    so under `DataParallel` (or `ModelParallel` with a batch axis) each
+    micro-batch's statistics are those of the whole global micro-batch and
+    the window's are the global large batch's. The accumulators take the
+    moving statistics' layout, whether or not the distribution is still in
+    force when this is called. The same math (written with `keras.ops`)
+    runs on both backends; with Keras's own
+    `gradient_accumulation_steps=K`, pass `window=K` or the optimizer.
+
     Args:
         model: A Keras model or layer (Keras 3 or tf_keras), or a
             BatchNormalization layer itself.
@@ -659,8 +766,9 @@ def use_window_statistics(
             per optimizer update. Pass this or `optimizer`.
         statistics: `"window"` (default, exact) or `"momentum"` (no extra
             state, approximate).
-        optimizer: A `GradientAccumulationOptimizer`: `window` is its
-            `accumulation_steps`.
+        optimizer: A `GradientAccumulationOptimizer` (`window` is its
+            `accumulation_steps`) or a Keras optimizer made with
+            `gradient_accumulation_steps=K` (`window` is K).
 
     Returns:
         `model`, switched in place.
