@@ -310,8 +310,70 @@ def test_the_installed_keras_matches_a_known_release():
 
     assert _keras_trainer_patch.structure_differences() == []
     minor = int(keras.version().split(".")[1])
-    expected = "3.10" if minor == 10 else "3.11-3.15"
-    assert _keras_trainer_patch.keras_release_of_installed_code() == expected
+    expected = {10: "3.10", 11: "3.11", 16: _keras_trainer_patch.NIGHTLY}
+    assert _keras_trainer_patch.keras_release_of_installed_code() == (
+        expected.get(minor, "3.12-3.15")
+    )
+
+
+def test_a_missing_trainer_class_is_named_with_every_other_difference(
+    restored, monkeypatch
+):
+    """keras-nightly 3.16 renamed `TensorFlowTrainer`: the refusal named
+    only the missing class (the first lookup that failed). Every difference
+    is named: each function looked up on the missing class, and a changed
+    data adapter beside it."""
+    from keras.src.backend.tensorflow import trainer
+    from keras.src.trainers.data_adapters import array_data_adapter
+
+    from keras_mgpu.distribute import _keras_trainer_patch
+
+    disable_multi_worker_fit()
+    for name in _keras_trainer_patch.TRAINER_CLASS_NAMES:
+        monkeypatch.delattr(trainer, name, raising=False)
+
+    def get_tf_dataset(self):
+        return None
+
+    monkeypatch.setattr(
+        array_data_adapter.ArrayDataAdapter, "get_tf_dataset", get_tf_dataset
+    )
+    with pytest.warns(MultiWorkerFitWarning) as caught:
+        assert enable_multi_worker_fit() is False
+    (message,) = [str(w.message) for w in caught]
+    assert "TensorFlowTrainer._maybe_symbolic_build is gone" in message
+    assert "no trainer class (looked for TensorFlowTrainer or Trainer)" in (
+        message
+    )
+    assert "ArrayDataAdapter.get_tf_dataset differs" in message
+    assert "TensorFlowTrainer is gone" in message  # fit/evaluate/predict
+    assert "reduce_per_replica" not in message  # unchanged: not named
+    assert not multi_worker_fit_enabled()
+
+
+def test_the_trainer_class_is_found_under_either_name(restored, monkeypatch):
+    """Keras 3.16 names it `Trainer`: the patch installs on whichever name
+    the module defines, and uninstalls from it."""
+    from keras.src.backend.tensorflow import trainer
+
+    from keras_mgpu.distribute import _keras_trainer_patch
+
+    disable_multi_worker_fit()
+    cls = _keras_trainer_patch._trainer_class()
+    for name in _keras_trainer_patch.TRAINER_CLASS_NAMES:
+        monkeypatch.delattr(trainer, name, raising=False)
+    other = (
+        "Trainer"
+        if cls.__name__ == "TensorFlowTrainer"
+        else ("TensorFlowTrainer")
+    )
+    monkeypatch.setattr(trainer, other, cls, raising=False)
+    assert _keras_trainer_patch.structure_differences() == []
+    original_fit = vars(cls)["fit"]
+    assert enable_multi_worker_fit() is True
+    assert vars(cls)["fit"].__wrapped__ is original_fit
+    disable_multi_worker_fit()
+    assert vars(cls)["fit"] is original_fit
 
 
 def test_version_guard():
