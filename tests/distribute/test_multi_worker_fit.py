@@ -376,6 +376,51 @@ def test_the_trainer_class_is_found_under_either_name(restored, monkeypatch):
     assert vars(cls)["fit"] is original_fit
 
 
+def _array_orders(epochs: int) -> list[list[int]]:
+    """The sample order of each epoch of Keras's own epoch iterator on
+    shuffled arrays, one process, driven as `fit` drives it."""
+    import tensorflow as tf
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    x = np.arange(16, dtype="float32").reshape(16, 1)
+    iterator = TFEpochIterator(
+        x=x,
+        y=x,
+        batch_size=4,
+        shuffle=True,
+        distribute_strategy=tf.distribute.get_strategy(),
+    )
+    iterator.reset()
+    orders = []
+    for _ in range(epochs):
+        ids = []
+        for *_, batches in iterator:
+            for batch in batches:
+                ids += [int(v) for v in batch[0].numpy().ravel()]
+        orders.append(ids)
+    return orders
+
+
+@pytest.mark.keras_limit
+def test_keras_3_16_shuffles_arrays_in_one_order_for_every_epoch():
+    """keras-nightly 3.16.0.dev2026102704 (TensorFlow backend): the array
+    shuffle became a `stateless_shuffle` seeded by the adapter's epoch
+    counter when the dataset is built, and the TensorFlow trainer builds it
+    once per `fit`: every epoch, and every run whatever the seed, sees the
+    same order (3.10-3.15: a new order every epoch). Under a multi-worker
+    strategy `enable_multi_worker_fit()` reseeds it per epoch
+    (test_mw_data_order.py). Fails when Keras reshuffles again."""
+    from keras.src.trainers.data_adapters import array_data_adapter
+
+    if not hasattr(array_data_adapter.ArrayDataAdapter, "_tf_shuffle"):
+        pytest.skip(f"Keras {keras.version()} shuffles with the graph seed")
+    first, second, third = _array_orders(3)
+    assert sorted(first) == list(range(16))
+    assert first == second == third
+    keras.utils.set_random_seed(7)
+    assert _array_orders(1) == [first]  # the seed changes nothing
+
+
 def test_version_guard():
     assert patch_module.keras_version_is_tested("3.15.1")
     assert patch_module.keras_version_is_tested("3.10.0")
