@@ -3,9 +3,9 @@
 Everything that touches Keras internals for multi-worker `fit` is here, read
 from Keras 3.10.0, 3.11.3, 3.12.0, 3.13.0, 3.14.0, 3.15.0, 3.15.1 and
 keras-nightly 3.16.0.dev2026102704 (where `TensorFlowTrainer` is named
-`Trainer`): `TensorFlowTrainer._maybe_symbolic_build`, `TensorFlowTrainer.fit` /
-`evaluate` / `predict`, the module function `reduce_per_replica` and
-`TFEpochIterator.__init__` / `_get_iterator` of
+`Trainer`): `TensorFlowTrainer._maybe_symbolic_build`,
+`TensorFlowTrainer.fit` / `evaluate` / `predict`, the module function
+`reduce_per_replica` and `TFEpochIterator.__init__` / `_get_iterator` of
 `keras/src/backend/tensorflow/trainer.py`, plus the data code whose
 behaviour the replacements rely on (`EpochIterator._enumerate_iterator`,
 `ArrayDataAdapter.get_tf_dataset`, `GeneratorDataAdapter.get_tf_dataset`,
@@ -15,8 +15,9 @@ generators `_finite_generator`, `_infinite_generator`,
 Each replacement calls Keras's original unless the model's strategy is a
 multi-worker `MultiWorkerMirroredStrategy`. `structure_differences()` checks
 the installed Keras against fingerprints of the code read (the version string
-alone says nothing about a changed private function); `install()` returns
-the originals; `uninstall(originals)` puts them back.
+alone says nothing about a changed private function) and names every
+function that differs or is gone; `install()` returns the originals;
+`uninstall(originals)` puts them back.
 """
 
 from __future__ import annotations
