@@ -23,6 +23,13 @@ the modules in QUICK_IGNORED (processes, clusters, Keras's replayed cases):
 518 tests in 4.5 min on 2 cores (measured 2026-11-25 with the
 normalization package and the batch finder's confirmation run).
 
+`--nightly` (by hand, never part of `.ci/run`) runs only `NIGHTLY_TESTS`
+against the newest keras-nightly and tf-nightly, in `.venv-nightly` in the
+repository root (upgraded each time, install bounded by
+NIGHTLY_INSTALL_TIMEOUT; KERAS_MGPU_NIGHTLY_PINS="keras-nightly==X
+tf-nightly==Y" pins them): a Keras rename that switches multi-worker `fit`
+off is seen before the release.
+
 Prints one closing line with the totals of all runs and exits non-zero if
 any run failed.
 """
@@ -146,7 +153,72 @@ def _oldest_venv() -> str | None:
     return python
 
 
+NIGHTLY_VENV = os.path.join(REPO_ROOT, ".venv-nightly")
+NIGHTLY_INSTALL_TIMEOUT = 900  # seconds; measured 74 s with a cold cache
+NIGHTLY_TESTS = [
+    "tests/distribute/test_code_fingerprint.py",
+    "tests/distribute/test_multi_worker_fit.py",
+    "tests/distribute/test_mw_data_order.py",
+]
+
+
+def _nightly_venv() -> str | None:
+    """Create or upgrade `.venv-nightly` on the newest nightlies (or the
+    pins of KERAS_MGPU_NIGHTLY_PINS); its python, or None when the install
+    failed or ran past NIGHTLY_INSTALL_TIMEOUT. keras_mgpu goes in without
+    its dependencies: `keras` and `tensorflow` would replace the
+    nightlies."""
+    python = os.path.join(NIGHTLY_VENV, "bin", "python")
+    pins = os.environ.get(
+        "KERAS_MGPU_NIGHTLY_PINS", "keras-nightly tf-nightly"
+    ).split()
+    pip = [python, "-m", "pip", "install", "-q"]
+    start = time.monotonic()
+    try:
+        if not os.path.exists(python):
+            subprocess.run(
+                [sys.executable, "-m", "venv", NIGHTLY_VENV],
+                check=True,
+                timeout=120,
+            )
+        for command in (
+            [
+                *pip,
+                "numpy>=1.23",
+                "psutil>=5.9",
+                "pytest>=8",
+                "pytest-timeout>=2.2",
+                "pytest-xdist>=3.5",
+            ],
+            [*pip, "--pre", "--upgrade", *pins],
+            [*pip, "--no-deps", "-e", REPO_ROOT],
+        ):
+            left = NIGHTLY_INSTALL_TIMEOUT - (time.monotonic() - start)
+            subprocess.run(command, check=True, timeout=max(left, 1))
+        versions = subprocess.run(
+            [
+                python,
+                "-c",
+                "import keras, tensorflow as tf; "
+                "print('keras', keras.version(), 'tensorflow', tf.__version__)",
+            ],
+            check=True,
+            timeout=300,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except (subprocess.SubprocessError, OSError) as exc:
+        print(f"== nightly: install of {pins} failed: {exc}", flush=True)
+        return None
+    print(
+        f"== nightly: {versions} installed in {time.monotonic() - start:.0f} s",
+        flush=True,
+    )
+    return python
+
+
 QUICK = "--quick" in sys.argv[1:]
+NIGHTLY = "--nightly" in sys.argv[1:]
 
 
 # Left out of the quick tier besides `slow` tests: modules whose tests each
@@ -171,7 +243,7 @@ QUICK_IGNORED = (
 
 def _pytest_arguments() -> list[str]:
     """What the command line adds to every pytest run."""
-    extra = [a for a in sys.argv[1:] if a != "--quick"]
+    extra = [a for a in sys.argv[1:] if a not in ("--quick", "--nightly")]
     if not QUICK:
         return extra
     ignored = [f"--ignore={path}" for path in QUICK_IGNORED]
@@ -191,7 +263,15 @@ def main() -> int:
         runs.append(
             ("tf_keras", {"TF_USE_LEGACY_KERAS": "1"}, ["tests/legacy"])
         )
-    if not QUICK and os.environ.get("KERAS_MGPU_SKIP_OLDEST") != "1":
+    if NIGHTLY:  # by hand only: the newest nightlies, nothing else
+        runs = [
+            (
+                "nightly",
+                {"TF_USE_LEGACY_KERAS": "0", "KERAS_BACKEND": "tensorflow"},
+                NIGHTLY_TESTS,
+            )
+        ]
+    elif not QUICK and os.environ.get("KERAS_MGPU_SKIP_OLDEST") != "1":
         runs.append(
             (
                 "oldest",
@@ -203,8 +283,8 @@ def main() -> int:
     total = {"passed": 0, "failed": 0, "skipped": 0}
     for label, env, paths in runs:
         python = sys.executable
-        if label == "oldest":  # in its own environment, on the floors
-            python = _oldest_venv()
+        if label in ("oldest", "nightly"):  # in an environment of its own
+            python = _oldest_venv() if label == "oldest" else _nightly_venv()
             if python is None:
                 failed_runs += 1
                 total["failed"] += 1

@@ -9,7 +9,7 @@ every Python must print the same table.
 
 For a new Keras release:
 
-    pip download keras==3.16.0 --no-deps -d /tmp/kw
+    pip download keras==3.17.0 --no-deps -d /tmp/kw
     for py in python3.10 python3.11 python3.12 python3.13; do
         $py tools/keras_fingerprints.py /tmp/kw/keras-*.whl > /tmp/fp-$py.txt
     done
@@ -61,6 +61,12 @@ TARGETS = {
 }
 
 
+# Classes renamed between releases: the name `KNOWN_FINGERPRINTS` uses, and
+# the names tried in order (`TensorFlowTrainer` is `Trainer` from Keras
+# 3.16: keras_mgpu.distribute._keras_trainer_patch.TRAINER_CLASS_NAMES).
+CLASS_NAMES = {"TensorFlowTrainer": ("TensorFlowTrainer", "Trainer")}
+
+
 def _load_fingerprint_module():
     path = _ROOT / "keras_mgpu" / "distribute" / "_code_fingerprint.py"
     spec = importlib.util.spec_from_file_location("_code_fingerprint", path)
@@ -73,17 +79,24 @@ def definition_source(source: str, dotted: str) -> str:
     """The lines of `dotted` ("Class.method" or "function") in `source`,
     decorators first, as `inspect.getsource` returns them."""
     node = ast.parse(source)
-    for part in dotted.split("."):
-        found = [
-            child
-            for child in node.body
-            if isinstance(
-                child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-            )
-            and child.name == part
-        ]
+    for depth, part in enumerate(dotted.split(".")):
+        names = CLASS_NAMES.get(part, (part,)) if depth == 0 else (part,)
+        for name in names:
+            found = [
+                child
+                for child in node.body
+                if isinstance(
+                    child,
+                    (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef),
+                )
+                and child.name == name
+            ]
+            if found:
+                break
         if len(found) != 1:
-            raise LookupError(f"{len(found)} definitions named {part!r}")
+            raise LookupError(
+                f"{len(found)} definitions named {' or '.join(names)}"
+            )
         node = found[0]
     first = min([node.lineno] + [d.lineno for d in node.decorator_list])
     lines = source.splitlines(keepends=True)

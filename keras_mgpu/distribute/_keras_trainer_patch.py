@@ -1,10 +1,11 @@
 """The private Keras hooks behind `enable_multi_worker_fit()`.
 
 Everything that touches Keras internals for multi-worker `fit` is here, read
-from Keras 3.10.0, 3.11.3, 3.12.0, 3.13.0, 3.14.0, 3.15.0 and 3.15.1:
-`TensorFlowTrainer._maybe_symbolic_build`, `TensorFlowTrainer.fit` /
-`evaluate` / `predict`, the module function `reduce_per_replica` and
-`TFEpochIterator.__init__` / `_get_iterator` of
+from Keras 3.10.0, 3.11.3, 3.12.0, 3.13.0, 3.14.0, 3.15.0, 3.15.1 and
+keras-nightly 3.16.0.dev2026102704 (where `TensorFlowTrainer` is named
+`Trainer`): `TensorFlowTrainer._maybe_symbolic_build`,
+`TensorFlowTrainer.fit` / `evaluate` / `predict`, the module function
+`reduce_per_replica` and `TFEpochIterator.__init__` / `_get_iterator` of
 `keras/src/backend/tensorflow/trainer.py`, plus the data code whose
 behaviour the replacements rely on (`EpochIterator._enumerate_iterator`,
 `ArrayDataAdapter.get_tf_dataset`, `GeneratorDataAdapter.get_tf_dataset`,
@@ -14,8 +15,9 @@ generators `_finite_generator`, `_infinite_generator`,
 Each replacement calls Keras's original unless the model's strategy is a
 multi-worker `MultiWorkerMirroredStrategy`. `structure_differences()` checks
 the installed Keras against fingerprints of the code read (the version string
-alone says nothing about a changed private function); `install()` returns
-the originals; `uninstall(originals)` puts them back.
+alone says nothing about a changed private function) and names every
+function that differs or is gone; `install()` returns the originals;
+`uninstall(originals)` puts them back.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ from keras_mgpu.distribute.fit_warnings import MultiWorkerFitWarning
 from keras_mgpu.distribute.strategy import is_multi_worker
 
 _TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
+# The TensorFlow backend's trainer class: `TensorFlowTrainer` up to Keras
+# 3.15, `Trainer` from 3.16 (keras-nightly 3.16.0.dev2026102704). The
+# fingerprint table keeps the old name for both.
+TRAINER_CLASS_NAMES = ("TensorFlowTrainer", "Trainer")
 _METHODS = ("_maybe_symbolic_build", "fit", "evaluate", "predict")
 _STATE = threading.local()
 
@@ -40,50 +46,73 @@ _STATE = threading.local()
 # comments or layout) of the Keras code this module replaces or relies on,
 # with the releases that have it. Measured with tools/keras_fingerprints.py
 # on the wheels of Keras 3.10.0, 3.11.3, 3.12.0, 3.13.0, 3.14.0, 3.15.0 and
-# 3.15.1; identical on Python 3.10-3.13.
+# 3.15.1 (identical on Python 3.10-3.13), and on keras-nightly
+# 3.16.0.dev2026102704 (Python 3.11).
+NIGHTLY = "3.16.0.dev2026102704"
 _LATER = "3.11-3.15"
+_ALL = f"3.10-3.15, {NIGHTLY}"
 KNOWN_FINGERPRINTS: dict[str, dict[str, str]] = {
-    # Replaced: we hand it one local replica's batch.
+    # Replaced: we hand it one local replica's batch. (The class is
+    # `Trainer` in 3.16; the method is unchanged.)
     "TensorFlowTrainer._maybe_symbolic_build": {
         "56fa1c6f0e28dfa5": "3.10",
-        "51d8321613a24862": _LATER,
+        "51d8321613a24862": f"{_LATER}, {NIGHTLY}",
     },
     # Replaced in multi-worker mode (axis=None).
-    "reduce_per_replica": {"bcd78e0928f53e77": "3.10-3.15"},
+    "reduce_per_replica": {"bcd78e0928f53e77": _ALL},
     # Wrapped: builds and distributes the dataset once per fit.
-    "TFEpochIterator.__init__": {"e86167fe76e447cf": "3.10-3.15"},
+    "TFEpochIterator.__init__": {"e86167fe76e447cf": _ALL},
     # Wrapped: returns the distributed dataset, iterated once per epoch.
-    "TFEpochIterator._get_iterator": {"4180c4cf031ef71a": "3.10-3.15"},
+    "TFEpochIterator._get_iterator": {"4180c4cf031ef71a": _ALL},
     # Relied on: a fresh `iter(_get_iterator())` per epoch; yields
     # (step, iterator) in 3.10, (begin, end, iterator) later.
     "EpochIterator._enumerate_iterator": {
         "0a8e7343b25dcdaf": "3.10",
-        "7926cc678a88b4f1": _LATER,
+        "7926cc678a88b4f1": f"{_LATER}, {NIGHTLY}",
     },
     # Relied on: the shuffle is one `tf.random.shuffle` seeded from the
-    # graph seed at construction.
-    "ArrayDataAdapter.get_tf_dataset": {"6e5fa8ba2cacd27c": "3.10-3.15"},
+    # graph seed at construction (3.10-3.15); from 3.16 a
+    # `stateless_shuffle` seeded by the adapter's `_epoch` at construction
+    # (`_tf_shuffle`), the same on every worker but, as the TensorFlow
+    # trainer builds the dataset once per fit, the same every epoch.
+    "ArrayDataAdapter.get_tf_dataset": {
+        "6e5fa8ba2cacd27c": "3.10-3.15",
+        "b387ead5cdfd86f3": NIGHTLY,
+    },
     # Relied on: each iteration of its dataset calls `self.generator()`.
     "GeneratorDataAdapter.get_tf_dataset": {
         "567a350c0a34e704": "3.10-3.11",
-        "4335dd58d1f758d2": "3.12-3.15",
+        "4335dd58d1f758d2": f"3.12-3.15, {NIGHTLY}",
     },
     # Relied on: its dataset calls `self._get_iterator` afresh per epoch.
-    "PyDatasetAdapter.get_tf_dataset": {"00690f138574376e": "3.10-3.15"},
+    "PyDatasetAdapter.get_tf_dataset": {"00690f138574376e": _ALL},
     # Relied on: picks the batch generator below, looked up on the instance.
-    "PyDatasetAdapter._get_iterator": {"23bb3827a76421ad": "3.10-3.15"},
-    # Replaced per instance (shuffles batch indices with `random.shuffle`);
-    # relied on unshuffled: each batch through `self._standardize_batch`.
-    "PyDatasetAdapter._finite_generator": {"1b922f883b3c485f": "3.10-3.15"},
-    # Relied on: each batch through `self._standardize_batch`.
-    "PyDatasetAdapter._infinite_generator": {"45a2cf7b7785e6d3": "3.10-3.15"},
-    # Relied on: each batch through `self._standardize_batch`.
-    "PyDatasetAdapter._finite_enqueuer_generator": {
-        "526943d7ab2f62df": "3.10-3.15"
+    "PyDatasetAdapter._get_iterator": {"23bb3827a76421ad": _ALL},
+    # Replaced per instance (shuffles batch indices with `random.shuffle`,
+    # from 3.16 with `random.Random(self._epoch)` and keeping this data
+    # shard's batches: `_data_shard_id::_num_data_shards`); relied on
+    # unshuffled: each batch through `self._standardize_batch`.
+    "PyDatasetAdapter._finite_generator": {
+        "1b922f883b3c485f": "3.10-3.15",
+        "42ed7159fd3d9b58": NIGHTLY,
     },
-    # Relied on: each batch through `self._standardize_batch`.
+    # Relied on: each batch through `self._standardize_batch` (3.16:
+    # this data shard's batches only).
+    "PyDatasetAdapter._infinite_generator": {
+        "45a2cf7b7785e6d3": "3.10-3.15",
+        "323781156ca657bb": NIGHTLY,
+    },
+    # Relied on: each batch through `self._standardize_batch` (3.16: the
+    # enqueuer is started with the epoch).
+    "PyDatasetAdapter._finite_enqueuer_generator": {
+        "526943d7ab2f62df": "3.10-3.15",
+        "f1ed4a4e96592815": NIGHTLY,
+    },
+    # Relied on: each batch through `self._standardize_batch` (3.16: the
+    # enqueuer is started with the epoch).
     "PyDatasetAdapter._infinite_enqueuer_generator": {
-        "4d00c9c7afa49883": "3.10-3.15"
+        "4d00c9c7afa49883": "3.10-3.15",
+        "8a8a6ea3cf7f2bdc": NIGHTLY,
     },
 }
 
@@ -106,38 +135,75 @@ def _trainer_module() -> Any:
     return importlib.import_module(_TRAINER_MODULE)
 
 
-def _relied_on() -> dict[str, Any]:
-    """The live Keras functions named in `KNOWN_FINGERPRINTS`."""
-    from keras.src.trainers import epoch_iterator
-    from keras.src.trainers.data_adapters import (
-        array_data_adapter,
-        generator_data_adapter,
-        py_dataset_adapter,
+def _trainer_class(module: Any = None) -> type:
+    """The TensorFlow backend's trainer class, whichever name it has."""
+    module = module if module is not None else _trainer_module()
+    for name in TRAINER_CLASS_NAMES:
+        found = vars(module).get(name)
+        if isinstance(found, type):
+            return found
+    raise AttributeError(
+        f"{module.__name__} defines no trainer class (looked for "
+        f"{' or '.join(TRAINER_CLASS_NAMES)})"
     )
 
-    module = _trainer_module()
-    py_dataset = py_dataset_adapter.PyDatasetAdapter
+
+def _lookups() -> dict[str, Any]:
+    """For each name of `KNOWN_FINGERPRINTS`, a function without arguments
+    that returns the live Keras function (and raises when it is gone)."""
+
+    def trainer() -> Any:
+        return _trainer_module()
+
+    def data(module: str, attribute: str) -> Any:
+        import importlib
+
+        return getattr(
+            importlib.import_module(
+                f"keras.src.trainers.data_adapters.{module}"
+            ),
+            attribute,
+        )
+
+    def py_dataset(name: str) -> Any:
+        return lambda: getattr(
+            data("py_dataset_adapter", "PyDatasetAdapter"), name
+        )
+
+    def epoch_iterator() -> Any:
+        from keras.src.trainers import epoch_iterator as module
+
+        return module.EpochIterator._enumerate_iterator
+
     return {
-        "TensorFlowTrainer._maybe_symbolic_build": (
-            module.TensorFlowTrainer.__dict__["_maybe_symbolic_build"]
+        "TensorFlowTrainer._maybe_symbolic_build": lambda: vars(
+            _trainer_class()
+        )["_maybe_symbolic_build"],
+        "reduce_per_replica": lambda: trainer().reduce_per_replica,
+        "TFEpochIterator.__init__": lambda: trainer().TFEpochIterator.__init__,
+        "TFEpochIterator._get_iterator": lambda: (
+            trainer().TFEpochIterator._get_iterator
         ),
-        "reduce_per_replica": module.reduce_per_replica,
-        "TFEpochIterator.__init__": module.TFEpochIterator.__init__,
-        "TFEpochIterator._get_iterator": (module.TFEpochIterator._get_iterator),
-        "EpochIterator._enumerate_iterator": (
-            epoch_iterator.EpochIterator._enumerate_iterator
+        "EpochIterator._enumerate_iterator": epoch_iterator,
+        "ArrayDataAdapter.get_tf_dataset": lambda: (
+            data("array_data_adapter", "ArrayDataAdapter").get_tf_dataset
         ),
-        "ArrayDataAdapter.get_tf_dataset": (
-            array_data_adapter.ArrayDataAdapter.get_tf_dataset
-        ),
-        "GeneratorDataAdapter.get_tf_dataset": (
-            generator_data_adapter.GeneratorDataAdapter.get_tf_dataset
+        "GeneratorDataAdapter.get_tf_dataset": lambda: (
+            data(
+                "generator_data_adapter", "GeneratorDataAdapter"
+            ).get_tf_dataset
         ),
         **{
-            f"PyDatasetAdapter.{name}": getattr(py_dataset, name)
+            f"PyDatasetAdapter.{name}": py_dataset(name)
             for name in _PY_DATASET_METHODS
         },
     }
+
+
+def _relied_on() -> dict[str, Any]:
+    """The live Keras functions named in `KNOWN_FINGERPRINTS` (raises
+    when one is gone: `structure_differences()` names each)."""
+    return {name: lookup() for name, lookup in _lookups().items()}
 
 
 def _fingerprint(function: Any) -> str:
@@ -148,13 +214,15 @@ def _fingerprint(function: Any) -> str:
 
 def structure_differences() -> list[str]:
     """What differs between the installed Keras and the code this patch was
-    read from: one line per function, empty when everything matches."""
-    try:
-        functions = _relied_on()
-    except (ImportError, AttributeError, KeyError) as exc:
-        return [f"a Keras function it relies on is gone ({exc!r})"]
+    read from: one line per function, every one of them (a missing class
+    names each function looked up on it), empty when everything matches."""
     differences = []
-    for name, function in functions.items():
+    for name, lookup in _lookups().items():
+        try:
+            function = lookup()
+        except (ImportError, AttributeError, KeyError) as exc:
+            differences.append(f"{name} is gone ({exc!r})")
+            continue
         try:
             found = _fingerprint(function)
         except (OSError, TypeError, SyntaxError) as exc:
@@ -167,26 +235,75 @@ def structure_differences() -> list[str]:
                 f"{name} differs from Keras {releases} (fingerprint "
                 f"{found}, known {', '.join(known)})"
             )
+    try:
+        trainer = _trainer_class()
+    except (ImportError, AttributeError) as exc:
+        return [*differences, f"TensorFlowTrainer is gone ({exc!r})"]
     for name in ("fit", "evaluate", "predict"):
-        method = _trainer_module().TensorFlowTrainer.__dict__.get(name)
+        method = vars(trainer).get(name)
         wanted = ("callbacks",) if name == "fit" else ()
         parameters = inspect.signature(method).parameters if method else {}
         missing = [p for p in wanted if p not in parameters]
         if method is None or missing:
             differences.append(
-                f"TensorFlowTrainer.{name} is missing or has no argument "
+                f"{trainer.__name__}.{name} is missing or has no argument "
                 f"{missing}"
             )
     return differences
 
 
+def _releases(label: str) -> set[str]:
+    """The releases a label of `KNOWN_FINGERPRINTS` names: "3.11-3.15,
+    3.16.0.dev2026102704" -> {"3.11", ..., "3.15", "3.16.0.dev2026102704"}."""
+    releases = set()
+    for item in label.split(", "):
+        first, _, last = item.partition("-")
+        if not last:
+            releases.add(first)
+            continue
+        major, low = first.split(".")
+        releases.update(
+            f"{major}.{minor}" for minor in range(int(low), int(last[2:]) + 1)
+        )
+    return releases
+
+
+def _label(releases: set[str]) -> str:
+    """The inverse of `_releases` for one run of minors plus the rest."""
+    minors = sorted(int(r.split(".")[1]) for r in releases if r.count(".") == 1)
+    others = sorted(r for r in releases if r.count(".") != 1)
+    parts = []
+    if minors:
+        run = f"3.{minors[0]}"
+        if len(minors) > 1:
+            run += f"-3.{minors[-1]}"
+        parts.append(run)
+    return ", ".join(parts + others)
+
+
+def release_of(found: dict[str, str]) -> str | None:
+    """The Keras release(s) whose code has every fingerprint in `found`
+    ({name: fingerprint}, all of `KNOWN_FINGERPRINTS`): "3.10",
+    "3.11", "3.12-3.15" or `NIGHTLY`; None when one is unknown or no
+    single release has them all."""
+    common: set[str] | None = None
+    for name, known in KNOWN_FINGERPRINTS.items():
+        label = known.get(found.get(name, ""))
+        if label is None:
+            return None
+        releases = _releases(label)
+        common = releases if common is None else common & releases
+    return _label(common) if common else None
+
+
 def keras_release_of_installed_code() -> str | None:
-    """The releases whose code the installed Keras matches ("3.10" or
-    "3.11-3.15"), None if it matches none."""
+    """The releases whose code the installed Keras matches ("3.10", "3.11",
+    "3.12-3.15" or `NIGHTLY`), None if it matches none."""
     if structure_differences():
         return None
-    found = _fingerprint(_relied_on()["EpochIterator._enumerate_iterator"])
-    return KNOWN_FINGERPRINTS["EpochIterator._enumerate_iterator"][found]
+    return release_of(
+        {name: _fingerprint(f) for name, f in _relied_on().items()}
+    )
 
 
 def install() -> dict[str, Any]:
@@ -195,9 +312,9 @@ def install() -> dict[str, Any]:
     Call only after `structure_differences()` came back empty.
     """
     module = _trainer_module()
-    trainer = module.TensorFlowTrainer
+    trainer = _trainer_class(module)
     originals: dict[str, Any] = {
-        f"TensorFlowTrainer.{name}": trainer.__dict__[name] for name in _METHODS
+        f"TensorFlowTrainer.{name}": vars(trainer)[name] for name in _METHODS
     }
     originals["reduce_per_replica"] = module.reduce_per_replica
     originals["TFEpochIterator.__init__"] = module.TFEpochIterator.__init__
@@ -228,12 +345,9 @@ def install() -> dict[str, Any]:
 
 def uninstall(originals: dict[str, Any]) -> None:
     module = _trainer_module()
+    trainer = _trainer_class(module)
     for name in _METHODS:
-        setattr(
-            module.TensorFlowTrainer,
-            name,
-            originals[f"TensorFlowTrainer.{name}"],
-        )
+        setattr(trainer, name, originals[f"TensorFlowTrainer.{name}"])
     module.reduce_per_replica = originals["reduce_per_replica"]
     module.TFEpochIterator.__init__ = originals["TFEpochIterator.__init__"]
     module.TFEpochIterator._get_iterator = originals[
@@ -371,13 +485,21 @@ def _agreed_order_per_epoch(original: Any) -> Any:
         if order is None:
             return original(self)
         # Keras iterates the dataset built in __init__ afresh every epoch,
-        # and its shuffle op, seeded from a graph seed, then draws the same
-        # permutation every time: rebuild it under the next epoch's seed.
+        # and its shuffle op, seeded at construction (3.10-3.15: from the
+        # graph seed; 3.16: from the adapter's `_epoch`), then draws the
+        # same permutation every time: rebuild it under the next epoch's
+        # seed. (3.16 built the first one with `_epoch` 0, whatever the
+        # seed: rebuilt too.)
         calls = order["calls"]
         order["calls"] += 1
-        if calls > 0:
-            with _graph_seed(epoch_seed(order["base"], calls)):
-                dataset = self.data_adapter.get_tf_dataset()
+        adapter = self.data_adapter
+        seeded_by_epoch = _shuffle_seeded_by_epoch(adapter)
+        if calls > 0 or seeded_by_epoch:
+            seed = epoch_seed(order["base"], calls)
+            with _graph_seed(seed):
+                if seeded_by_epoch:
+                    adapter._epoch = seed
+                dataset = adapter.get_tf_dataset()
             strategy = self._distribute_strategy
             self._distributed_dataset = (
                 strategy.experimental_distribute_dataset(dataset)
@@ -385,6 +507,13 @@ def _agreed_order_per_epoch(original: Any) -> Any:
         return original(self)
 
     return _mark(_get_iterator, original)
+
+
+def _shuffle_seeded_by_epoch(adapter: Any) -> bool:
+    """Whether the array adapter seeds its shuffle with its `_epoch`
+    (`ArrayDataAdapter._tf_shuffle`, Keras 3.16) rather than with the
+    graph seed (3.10-3.15)."""
+    return callable(getattr(type(adapter), "_tf_shuffle", None))
 
 
 def _shuffles_arrays(args: tuple, kwargs: dict) -> bool:
@@ -515,11 +644,16 @@ def _agree_on_py_dataset_order(adapter: Any, strategy: Any) -> None:
     base = shared_seed(strategy)
     state = {"epoch": 0}
 
+    # Keras 3.16 keeps one data shard's batches (`keras.distribution` with
+    # `auto_shard_dataset`); one shard of all batches before.
+    first = getattr(adapter, "_data_shard_id", 0)
+    step = getattr(adapter, "_num_data_shards", 1)
+
     def _finite_generator():
         indices = list(range(adapter.py_dataset.num_batches))
         random.Random(epoch_seed(base, state["epoch"])).shuffle(indices)
         state["epoch"] += 1
-        for i in indices:
+        for i in indices[first::step]:
             yield adapter._standardize_batch(adapter.py_dataset[i])
 
     adapter._finite_generator = _finite_generator

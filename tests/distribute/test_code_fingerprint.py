@@ -145,3 +145,70 @@ def test_the_measuring_script_prints_each_fingerprint_with_its_releases(
     assert lines[lines.index("reduce_per_replica") + 1] == (
         f"    {fingerprint}: {keras.version()}"
     )
+
+
+# What tools/keras_fingerprints.py printed for keras-nightly
+# 3.16.0.dev2026102704 (tf-nightly 2.23.0.dev20261026) and Keras 3.15.1.
+_NIGHTLY_3_16 = {
+    "TensorFlowTrainer._maybe_symbolic_build": "51d8321613a24862",
+    "reduce_per_replica": "bcd78e0928f53e77",
+    "TFEpochIterator.__init__": "e86167fe76e447cf",
+    "TFEpochIterator._get_iterator": "4180c4cf031ef71a",
+    "EpochIterator._enumerate_iterator": "7926cc678a88b4f1",
+    "ArrayDataAdapter.get_tf_dataset": "b387ead5cdfd86f3",
+    "GeneratorDataAdapter.get_tf_dataset": "4335dd58d1f758d2",
+    "PyDatasetAdapter.get_tf_dataset": "00690f138574376e",
+    "PyDatasetAdapter._get_iterator": "23bb3827a76421ad",
+    "PyDatasetAdapter._finite_generator": "42ed7159fd3d9b58",
+    "PyDatasetAdapter._infinite_generator": "323781156ca657bb",
+    "PyDatasetAdapter._finite_enqueuer_generator": "f1ed4a4e96592815",
+    "PyDatasetAdapter._infinite_enqueuer_generator": "8a8a6ea3cf7f2bdc",
+}
+_KERAS_3_15 = {
+    **_NIGHTLY_3_16,
+    "ArrayDataAdapter.get_tf_dataset": "6e5fa8ba2cacd27c",
+    "PyDatasetAdapter._finite_generator": "1b922f883b3c485f",
+    "PyDatasetAdapter._infinite_generator": "45a2cf7b7785e6d3",
+    "PyDatasetAdapter._finite_enqueuer_generator": "526943d7ab2f62df",
+    "PyDatasetAdapter._infinite_enqueuer_generator": "4d00c9c7afa49883",
+}
+
+
+def test_the_stored_table_accepts_the_keras_3_16_nightly():
+    """The fingerprints of keras-nightly 3.16.0.dev2026102704 are in the
+    table (no nightly needed to check it), each labelled with it, and they
+    make up that release; 3.15's still make up 3.12-3.15."""
+    known = _keras_trainer_patch.KNOWN_FINGERPRINTS
+    assert set(_NIGHTLY_3_16) == set(known)
+    nightly = _keras_trainer_patch.NIGHTLY
+    assert nightly == "3.16.0.dev2026102704"
+    for name, fingerprint in _NIGHTLY_3_16.items():
+        assert nightly in known[name].get(fingerprint, ""), name
+    assert _keras_trainer_patch.release_of(_NIGHTLY_3_16) == nightly
+    assert _keras_trainer_patch.release_of(_KERAS_3_15) == "3.12-3.15"
+    # A mix no release has, and an unknown fingerprint: no release.
+    mixed = {
+        **_KERAS_3_15,
+        "ArrayDataAdapter.get_tf_dataset": "b387ead5cdfd86f3",
+    }
+    assert _keras_trainer_patch.release_of(mixed) is None
+    unknown = {**_NIGHTLY_3_16, "reduce_per_replica": "0" * 16}
+    assert _keras_trainer_patch.release_of(unknown) is None
+
+
+def test_the_measuring_script_finds_the_renamed_trainer_class():
+    """Keras 3.16's trainer.py defines `Trainer`, not `TensorFlowTrainer`:
+    the script fingerprints its `_maybe_symbolic_build` under the table's
+    name, the same as under the old class name."""
+    script = _measuring_script()
+    method = (
+        "    def _maybe_symbolic_build(self, iterator=None):\n        pass\n"
+    )
+    old = f"class TensorFlowTrainer(base):\n{method}"
+    new = f"class Trainer(base):\n{method}"
+    name = "TensorFlowTrainer._maybe_symbolic_build"
+    assert script.definition_source(new, name) == (
+        script.definition_source(old, name)
+    )
+    with pytest.raises(LookupError, match="TensorFlowTrainer or Trainer"):
+        script.definition_source("class Other:\n    pass\n", name)

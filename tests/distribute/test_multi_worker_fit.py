@@ -310,8 +310,115 @@ def test_the_installed_keras_matches_a_known_release():
 
     assert _keras_trainer_patch.structure_differences() == []
     minor = int(keras.version().split(".")[1])
-    expected = "3.10" if minor == 10 else "3.11-3.15"
-    assert _keras_trainer_patch.keras_release_of_installed_code() == expected
+    expected = {10: "3.10", 11: "3.11", 16: _keras_trainer_patch.NIGHTLY}
+    assert _keras_trainer_patch.keras_release_of_installed_code() == (
+        expected.get(minor, "3.12-3.15")
+    )
+
+
+def test_a_missing_trainer_class_is_named_with_every_other_difference(
+    restored, monkeypatch
+):
+    """keras-nightly 3.16 renamed `TensorFlowTrainer`: the refusal named
+    only the missing class (the first lookup that failed). Every difference
+    is named: each function looked up on the missing class, and a changed
+    data adapter beside it."""
+    from keras.src.backend.tensorflow import trainer
+    from keras.src.trainers.data_adapters import array_data_adapter
+
+    from keras_mgpu.distribute import _keras_trainer_patch
+
+    disable_multi_worker_fit()
+    for name in _keras_trainer_patch.TRAINER_CLASS_NAMES:
+        monkeypatch.delattr(trainer, name, raising=False)
+
+    def get_tf_dataset(self):
+        return None
+
+    monkeypatch.setattr(
+        array_data_adapter.ArrayDataAdapter, "get_tf_dataset", get_tf_dataset
+    )
+    with pytest.warns(MultiWorkerFitWarning) as caught:
+        assert enable_multi_worker_fit() is False
+    (message,) = [str(w.message) for w in caught]
+    assert "TensorFlowTrainer._maybe_symbolic_build is gone" in message
+    assert "no trainer class (looked for TensorFlowTrainer or Trainer)" in (
+        message
+    )
+    assert "ArrayDataAdapter.get_tf_dataset differs" in message
+    assert "TensorFlowTrainer is gone" in message  # fit/evaluate/predict
+    assert "reduce_per_replica" not in message  # unchanged: not named
+    assert not multi_worker_fit_enabled()
+
+
+def test_the_trainer_class_is_found_under_either_name(restored, monkeypatch):
+    """Keras 3.16 names it `Trainer`: the patch installs on whichever name
+    the module defines, and uninstalls from it."""
+    from keras.src.backend.tensorflow import trainer
+
+    from keras_mgpu.distribute import _keras_trainer_patch
+
+    disable_multi_worker_fit()
+    cls = _keras_trainer_patch._trainer_class()
+    for name in _keras_trainer_patch.TRAINER_CLASS_NAMES:
+        monkeypatch.delattr(trainer, name, raising=False)
+    other = (
+        "Trainer"
+        if cls.__name__ == "TensorFlowTrainer"
+        else ("TensorFlowTrainer")
+    )
+    monkeypatch.setattr(trainer, other, cls, raising=False)
+    assert _keras_trainer_patch.structure_differences() == []
+    original_fit = vars(cls)["fit"]
+    assert enable_multi_worker_fit() is True
+    assert vars(cls)["fit"].__wrapped__ is original_fit
+    disable_multi_worker_fit()
+    assert vars(cls)["fit"] is original_fit
+
+
+def _array_orders(epochs: int) -> list[list[int]]:
+    """The sample order of each epoch of Keras's own epoch iterator on
+    shuffled arrays, one process, driven as `fit` drives it."""
+    import tensorflow as tf
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    x = np.arange(16, dtype="float32").reshape(16, 1)
+    iterator = TFEpochIterator(
+        x=x,
+        y=x,
+        batch_size=4,
+        shuffle=True,
+        distribute_strategy=tf.distribute.get_strategy(),
+    )
+    iterator.reset()
+    orders = []
+    for _ in range(epochs):
+        ids = []
+        for *_, batches in iterator:
+            for batch in batches:
+                ids += [int(v) for v in batch[0].numpy().ravel()]
+        orders.append(ids)
+    return orders
+
+
+@pytest.mark.keras_limit
+def test_keras_3_16_shuffles_arrays_in_one_order_for_every_epoch():
+    """keras-nightly 3.16.0.dev2026102704 (TensorFlow backend): the array
+    shuffle became a `stateless_shuffle` seeded by the adapter's epoch
+    counter when the dataset is built, and the TensorFlow trainer builds it
+    once per `fit`: every epoch, and every run whatever the seed, sees the
+    same order (3.10-3.15: a new order every epoch). Under a multi-worker
+    strategy `enable_multi_worker_fit()` reseeds it per epoch
+    (test_mw_data_order.py). Fails when Keras reshuffles again."""
+    from keras.src.trainers.data_adapters import array_data_adapter
+
+    if not hasattr(array_data_adapter.ArrayDataAdapter, "_tf_shuffle"):
+        pytest.skip(f"Keras {keras.version()} shuffles with the graph seed")
+    first, second, third = _array_orders(3)
+    assert sorted(first) == list(range(16))
+    assert first == second == third
+    keras.utils.set_random_seed(7)
+    assert _array_orders(1) == [first]  # the seed changes nothing
 
 
 def test_version_guard():
