@@ -252,12 +252,18 @@ def _pytest_arguments() -> list[str]:
 
 def main() -> int:
     runs = [
-        ("keras3", {"TF_USE_LEGACY_KERAS": "0", "KERAS_BACKEND": "tensorflow"},
-         ["tests"]),
+        (
+            "keras3",
+            {"TF_USE_LEGACY_KERAS": "0", "KERAS_BACKEND": "tensorflow"},
+            ["tests"],
+        ),
         # Keras 3 on JAX: the `test_*_jax.py` modules (tests/conftest.py
         # collects only those when KERAS_BACKEND=jax), 4 CPU devices.
-        ("jax", {"TF_USE_LEGACY_KERAS": "0", "KERAS_BACKEND": "jax"},
-         ["tests"]),
+        (
+            "jax",
+            {"TF_USE_LEGACY_KERAS": "0", "KERAS_BACKEND": "jax"},
+            ["tests"],
+        ),
     ]
     if not QUICK:
         runs.append(

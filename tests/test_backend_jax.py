@@ -96,3 +96,12 @@ def test_worker_info_of_one_process():
     assert info["rank"] == 0 and info["num_workers"] == 1
     assert info["is_chief"] and info["task_name"] == "local"
     assert not keras_mgpu.distribute.is_multi_worker()
+
+
+def test_a_distribution_is_told_from_a_strategy_like_object():
+    from keras_mgpu.backend.jax.distribution import is_distribution
+
+    devices = keras.distribution.list_devices("cpu")
+    assert is_distribution(keras.distribution.DataParallel(devices=devices))
+    assert not is_distribution(object())
+    assert not is_distribution(None)

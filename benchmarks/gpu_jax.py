@@ -1,0 +1,314 @@
+"""The GPU evidence for Keras 3 on JAX, in one prepared call (never in CI).
+
+Run on a machine with an NVIDIA GPU, JAX with CUDA and no TensorFlow (the
+lent machine's image), with Keras and this checkout on the path:
+
+    python benchmarks/gpu_jax.py --out results.jsonl      # ~5 min on an H100
+    python benchmarks/gpu_jax.py --quick                  # CPU smoke run
+
+Each case runs in a subprocess of its own (a process's peak GPU memory cannot
+be reset) and prints one JSON line; all lines also go to `--out`:
+
+- `device`: the card, its memory, JAX and Keras versions;
+- `monitors`: `MemoryMonitor` and `GPULoadMonitor` in a `fit` (the log keys
+  and the figures they read: `memory_stats()` and NVML) and the fit's step
+  time with both on / off;
+- `accumulation`: `GradientAccumulationOptimizer` (K=4) against one step on
+  the 4x batch with an AdamW + step schedule (max abs weight difference),
+  Keras's built-in `gradient_accumulation_steps` likewise, and step times;
+- `bench_recompute_jax.py --gpu`: peak memory and step time of plain, our
+  recompute policies, `keras.RematScope` and raw `jax.checkpoint`;
+- `bench_accumulation_jax.py` and `bench_monitors_jax.py` (their GPU sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["KERAS_BACKEND"] = "jax"
+    # Peaks mean something only without XLA's preallocated pool.
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _case_device() -> dict:
+    import jax
+    import keras
+
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    return {
+        "case": "device",
+        "platform": device.platform,
+        "device_kind": getattr(device, "device_kind", "?"),
+        "devices": len(jax.devices()),
+        "memory_limit_mib": round(stats.get("bytes_limit", 0) / 2**20),
+        "jax": jax.__version__,
+        "keras": keras.__version__,
+    }
+
+
+def _mlp(keras, width: int, depth: int, classes: int = 10):
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((width,))]
+    layers += [
+        keras.layers.Dense(width, activation="relu") for _ in range(depth)
+    ]
+    layers += [keras.layers.Dense(classes)]
+    return keras.Sequential(layers)
+
+
+def _data(width: int, samples: int):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(samples, width)).astype("float32")
+    y = rng.integers(0, 10, size=samples).astype("int32")
+    return x, y
+
+
+def _timed_fit(model, x, y, batch_size, callbacks=(), epochs=2):
+    """Seconds per step of the last epoch (the first one compiles)."""
+    times = []
+
+    import keras
+
+    class _Clock(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            times.append(time.perf_counter() - self.start)
+
+    history = model.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=[*callbacks, _Clock()],
+    )
+    steps = len(x) // batch_size
+    return times[-1] / steps, history
+
+
+def _case_monitors(quick: bool) -> dict:
+    import keras
+
+    from keras_mgpu.callbacks import GPULoadMonitor, MemoryMonitor
+
+    width, depth = (64, 2) if quick else (2048, 8)
+    samples, batch = (512, 64) if quick else (65536, 4096)
+    x, y = _data(width, samples)
+    out = {"case": "monitors", "width": width, "depth": depth, "batch": batch}
+    for label, callbacks in (
+        ("off", []),
+        ("on", [MemoryMonitor(update_freq=4), GPULoadMonitor(interval=0.2)]),
+        ("off_again", []),
+    ):
+        model = _mlp(keras, width, depth)
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(True))
+        seconds, history = _timed_fit(model, x, y, batch, callbacks)
+        out[f"step_ms_{label}"] = round(seconds * 1e3, 3)
+        if label == "on":
+            out["log_keys"] = sorted(k for k in history.history if k != "loss")
+            out["logs_last_epoch"] = {
+                k: round(float(v[-1]), 2)
+                for k, v in history.history.items()
+                if k != "loss"
+            }
+    out["ratio_on_off"] = round(
+        out["step_ms_on"]
+        / ((out["step_ms_off"] + out["step_ms_off_again"]) / 2),
+        3,
+    )
+    return out
+
+
+def _case_accumulation(quick: bool) -> dict:
+    import keras
+    import numpy as np
+
+    import keras_mgpu
+
+    width, depth = (32, 2) if quick else (1024, 4)
+    micro, k = (16, 4) if quick else (1024, 4)
+    steps = 8  # updates
+    x, y = _data(width, micro * k * steps)
+
+    def optimizer():
+        schedule = keras.optimizers.schedules.PiecewiseConstantDecay(
+            [steps // 2], [1e-3, 1e-4]
+        )
+        return keras.optimizers.AdamW(schedule, weight_decay=0.01)
+
+    def run(opt, batch):
+        model = _mlp(keras, width, depth)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(opt, loss)
+        seconds, _ = _timed_fit(model, x, y, batch, epochs=2)
+        return model, seconds
+
+    large, t_large = run(optimizer(), micro * k)
+    ours, t_ours = run(
+        keras_mgpu.GradientAccumulationOptimizer(optimizer(), k), micro
+    )
+    builtin_opt = optimizer()
+    builtin_opt.gradient_accumulation_steps = k
+    builtin, t_builtin = run(builtin_opt, micro)
+
+    def diff(model):
+        return float(
+            max(
+                np.max(np.abs(a - b))
+                for a, b in zip(model.get_weights(), large.get_weights())
+            )
+        )
+
+    return {
+        "case": "accumulation",
+        "k": k,
+        "micro_batch": micro,
+        "updates": 2 * steps,
+        "max_abs_diff_ours_vs_large_batch": diff(ours),
+        "max_abs_diff_builtin_vs_large_batch": diff(builtin),
+        "step_ms_micro_ours": round(t_ours * 1e3, 3),
+        "step_ms_micro_builtin": round(t_builtin * 1e3, 3),
+        "step_ms_large_batch": round(t_large * 1e3, 3),
+        "ratio_ours_builtin": round(t_ours / t_builtin, 3),
+    }
+
+
+CASES = {
+    "device": _case_device,
+    "monitors": _case_monitors,
+    "accumulation": _case_accumulation,
+}
+
+
+def _run_case(name: str, quick: bool, timeout: float) -> list[dict]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--case", name]
+    if quick:
+        cmd.append("--quick")
+    return _run(cmd, name, timeout)
+
+
+def _run(cmd: list[str], name: str, timeout: float) -> list[dict]:
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            cmd,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+        )
+    except subprocess.TimeoutExpired:
+        return [{"case": name, "error": f"timed out after {timeout:.0f} s"}]
+    rows = []
+    for line in proc.stdout.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass
+    if proc.returncode != 0 or not rows:
+        rows.append(
+            {
+                "case": name,
+                "error": f"exit {proc.returncode}",
+                "stderr_tail": proc.stderr[-1500:],
+            }
+        )
+    for row in rows:
+        row.setdefault("wall_s", round(time.monotonic() - start, 1))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--case", choices=sorted(CASES))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.case:  # one case, in this (fresh) process
+        os.environ.update(
+            {k: v for k, v in _env().items() if k.startswith(("KERAS", "XLA"))}
+        )
+        print(json.dumps(CASES[args.case](args.quick)), flush=True)
+        return 0
+    quick = ["--quick"] if args.quick else []
+    plan = [
+        ("device", lambda: _run_case("device", args.quick, 120)),
+        ("monitors", lambda: _run_case("monitors", args.quick, 150)),
+        ("accumulation", lambda: _run_case("accumulation", args.quick, 150)),
+        (
+            "bench_recompute_jax",
+            lambda: _run(
+                [
+                    sys.executable,
+                    os.path.join(HERE, "bench_recompute_jax.py"),
+                    *(quick or ["--gpu"]),
+                ],
+                "bench_recompute_jax",
+                240,
+            ),
+        ),
+        (
+            "bench_accumulation_jax",
+            lambda: _run(
+                [
+                    sys.executable,
+                    os.path.join(HERE, "bench_accumulation_jax.py"),
+                    *quick,
+                ],
+                "bench_accumulation_jax",
+                120,
+            ),
+        ),
+        (
+            "bench_monitors_jax",
+            lambda: _run(
+                [
+                    sys.executable,
+                    os.path.join(HERE, "bench_monitors_jax.py"),
+                    *quick,
+                ],
+                "bench_monitors_jax",
+                120,
+            ),
+        ),
+    ]
+    out = open(args.out, "w") if args.out else None
+    failed = 0
+    for _, run in plan:
+        for row in run():
+            failed += "error" in row
+            line = json.dumps(row)
+            print(line, flush=True)
+            if out:
+                out.write(line + "\n")
+                out.flush()
+    if out:
+        out.close()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
