@@ -18,7 +18,11 @@ be reset) and prints one JSON line; all lines also go to `--out`:
   Keras's built-in `gradient_accumulation_steps` likewise, and step times;
 - `bench_recompute_jax.py --gpu`: peak memory and step time of plain, our
   recompute policies, `keras.RematScope` and raw `jax.checkpoint`;
-- `bench_accumulation_jax.py` and `bench_monitors_jax.py` (their GPU sizes).
+- `check_gpu_monitors_jax.py`: the monitors on the real `memory_stats()`
+  and NVML with XLA's preallocation on and off;
+- `bench_monitors_jax.py`: step time with each monitor on vs off.
+(`bench_accumulation_jax.py` measures CPU devices; the `accumulation` case
+above is its GPU counterpart.)
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def _env() -> dict:
     return env
 
 
-def _case_device() -> dict:
+def _case_device(quick: bool = False) -> dict:
     import jax
     import keras
 
@@ -264,22 +268,22 @@ def main() -> int:
                 [
                     sys.executable,
                     os.path.join(HERE, "bench_recompute_jax.py"),
-                    *(quick or ["--gpu"]),
+                    *(quick or ["--gpu", "--steps", "2"]),
                 ],
                 "bench_recompute_jax",
                 240,
             ),
         ),
         (
-            "bench_accumulation_jax",
+            "check_gpu_monitors_jax",
             lambda: _run(
                 [
                     sys.executable,
-                    os.path.join(HERE, "bench_accumulation_jax.py"),
-                    *quick,
+                    os.path.join(HERE, "check_gpu_monitors_jax.py"),
+                    *(quick or ["--epochs", "1", "--samples", "50000"]),
                 ],
-                "bench_accumulation_jax",
-                120,
+                "check_gpu_monitors_jax",
+                150,
             ),
         ),
         (
@@ -288,7 +292,7 @@ def main() -> int:
                 [
                     sys.executable,
                     os.path.join(HERE, "bench_monitors_jax.py"),
-                    *quick,
+                    *(quick or ["--steps", "200", "--repeats", "3"]),
                 ],
                 "bench_monitors_jax",
                 120,
