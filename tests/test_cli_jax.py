@@ -76,10 +76,12 @@ def test_info_lines_from_a_given_component_table():
     rows = [
         ("LearningRateWarmup", True, ""),
         ("PowerSGD", False, "PowerSGD does not ... On jax, use X instead."),
+        ("MemoryMonitor", False, f"{_components.FAILED} (ImportError: tf)"),
     ]
     text = "\n".join(cli_info.jax_lines(rows))
     assert "  LearningRateWarmup  works" in text
     assert "  PowerSGD            refuses: use X instead" in text
+    assert "  MemoryMonitor       ERROR: failed at construction (Import" in text
 
 
 def test_components_that_refuse_are_skipped_with_the_reason(monkeypatch):

@@ -65,6 +65,11 @@ def construct(build: Callable[[], Any]) -> tuple[Any, str | None]:
         return None, str(exc)
 
 
+#: The start of `why` for a component that failed to construct with another
+#: error than a refusal (a bug, or a missing dependency).
+FAILED = "failed at construction"
+
+
 def support_table() -> list[tuple[str, bool, str]]:
     """`(component, works here, why not)` for every probed component."""
     rows = []
@@ -73,8 +78,8 @@ def support_table() -> list[tuple[str, bool, str]]:
             warnings.simplefilter("ignore")  # e.g. "no NVML": not the point
             try:
                 _, why = construct(build)
-            except Exception as exc:  # a probe argument this version refuses
-                why = f"could not be built here ({type(exc).__name__}: {exc})"
+            except Exception as exc:  # not a refusal: say what it was
+                why = f"{FAILED} ({type(exc).__name__}: {exc})"
         rows.append((name, why is None, why or ""))
     return rows
 

@@ -166,7 +166,11 @@ def jax_lines(components: list | None = None) -> list[str]:
     import keras
 
     from keras_mgpu import __version__
-    from keras_mgpu.cli._components import instead_of, support_table
+    from keras_mgpu.cli._components import (
+        FAILED,
+        instead_of,
+        support_table,
+    )
 
     devices = jax.devices()
     cpus = jax.devices("cpu")
@@ -225,7 +229,12 @@ def jax_lines(components: list | None = None) -> list[str]:
     rows = support_table() if components is None else components
     width = max(len(name) for name, _, _ in rows)
     for name, works, why in rows:
-        state = "works" if works else f"refuses: {instead_of(why)}"
+        if works:
+            state = "works"
+        elif why.startswith(FAILED):
+            state = f"ERROR: {why}"
+        else:
+            state = f"refuses: {instead_of(why)}"
         lines.append(f"  {name:<{width}}  {state}")
     lines.append(
         "TensorFlow imported: "

@@ -201,10 +201,14 @@ class NoDistribution:
     Its `scope()` clears any distribution in force for the block (as
     `tf.distribute.get_strategy()`'s scope is the default strategy's), so a
     test written as `with strategy.scope():` runs unchanged.
-    `num_replicas_in_sync` is 1, as on the default `tf.distribute` strategy.
+    `num_replicas_in_sync` is 1, as on the default `tf.distribute` strategy,
+    and so is `keras_mgpu.num_replicas_in_sync(NoDistribution())` (no
+    mesh, no batch axis).
     """
 
     num_replicas_in_sync = 1
+    device_mesh = None
+    batch_dim_name = None
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:

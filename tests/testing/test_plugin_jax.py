@@ -50,6 +50,8 @@ def test_the_default_entry_clears_a_distribution_in_force():
         with make_strategy("default").scope():
             assert keras.distribution.distribution() is None
         assert keras.distribution.distribution() is outer
+    assert keras_mgpu.num_replicas_in_sync(make_strategy("default")) == 1
+    assert keras_mgpu.num_replicas_in_sync(outer) == 2
 
 
 def test_unknown_names_and_too_many_devices_are_named():
