@@ -893,11 +893,10 @@ def _report_title(summary: dict) -> str:
             "(model parallel)"
         )
     else:
-        where = (
-            f"{summary['replicas']} x {summary['device_kind']} "
-            f"({summary.get('distribution', 'MirroredStrategy')}, "
-            f"{summary.get('backend', 'tensorflow')})"
-        )
+        how = summary.get("distribution", "MirroredStrategy")
+        if summary.get("backend") == "jax":  # short: the title is one line
+            how = how.replace("keras.distribution.", "") + " on JAX"
+        where = f"{summary['replicas']} x {summary['device_kind']} ({how})"
     parts = [
         f"keras-mgpu demo: digits CNN, {where}",
         f"global batch {summary['global_batch_size']} = "
