@@ -2,6 +2,12 @@
 digits under `MirroredStrategy` (or, with `model_parallel`, split across
 the devices by `apply_placement`), with every keras_mgpu component on.
 
+On Keras's JAX backend (`KERAS_BACKEND=jax`) it trains under
+`keras.distribution.DataParallel` across the devices found (GPUs, or CPU
+devices from `XLA_FLAGS`), from NumPy arrays, without importing TensorFlow;
+each component is used where it constructs on JAX, and the summary names
+those that refuse (`BackendNotSupportedError`) and why.
+
 Kept apart from the command line (`keras_mgpu.cli`) so that the recipe reads
 as one example of using the pack: gradient accumulation
 (`GradientAccumulationOptimizer`), linear learning-rate scaling and warmup
@@ -10,8 +16,8 @@ as one example of using the pack: gradient accumulation
 (`RecomputeGrad`), with a `CSVLogger` whose file `keras-mgpu report`
 turns into the same PNG report.
 
-Logical CPU devices must exist before TensorFlow initialises its runtime:
-call `configure_devices` first, before anything builds a tensor.
+Logical CPU devices must exist before TensorFlow (or JAX) initialises its
+runtime: call `configure_devices` first, before anything builds a tensor.
 """
 
 from __future__ import annotations
@@ -25,7 +31,11 @@ import time
 import warnings
 from typing import Any, TextIO
 
+import numpy as np
+
 from keras_mgpu._flavour import keras, tf
+from keras_mgpu.backend import backend as _backend
+from keras_mgpu.testing.seeds import set_random_seed
 
 DEMO_EXTRA_HINT = 'pip install "keras-mgpu[demo]"'
 
@@ -55,6 +65,8 @@ class DemoConfig:
     recompute: bool = True
     seed: int = 0
     progress: bool = True
+    # Components that refused this backend at construction: name -> why.
+    skipped: dict = dataclasses.field(default_factory=dict)
     # Split the model across the devices (apply_placement) instead of
     # mirroring it; micro_batches > 1 pipelines it.
     model_parallel: bool = False
@@ -75,11 +87,19 @@ def configure_devices(
     Returns a dict: `kind` ("GPU" or "CPU"), `devices` (logical device
     names) and `gpu_names`.
 
+    On JAX, the same through JAX: GPUs (or other accelerators) JAX sees,
+    with `XLA_PYTHON_CLIENT_PREALLOCATE=false` unless set (figures show
+    what the model needs); otherwise `num_devices` CPU devices
+    (`--xla_force_host_platform_device_count` in `XLA_FLAGS`).
+    `devices` are then `keras.distribution.list_devices` names ("cpu:0").
+
     Raises:
         ValueError: more GPUs asked for than there are.
         RuntimeError: TensorFlow's runtime is already initialised (a tensor
             was built first), so devices can no longer be configured.
     """
+    if _backend() == "jax":
+        return _configure_jax_devices(num_devices, use_gpus)
     gpus = tf.config.list_physical_devices("GPU") if use_gpus else []
     if gpus and num_devices is not None and num_devices > len(gpus):
         raise ValueError(
@@ -115,6 +135,52 @@ def configure_devices(
         details = tf.config.experimental.get_device_details(gpu)
         gpu_names.append(details.get("device_name", gpu.name))
     return {"kind": kind, "devices": devices, "gpu_names": gpu_names}
+
+
+def _configure_jax_devices(
+    num_devices: int | None, use_gpus: bool
+) -> dict[str, Any]:
+    from keras_mgpu.testing.devices import _configure_jax_cpu_devices
+
+    if not use_gpus:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    cpu_count = 2 if num_devices is None else num_devices
+    try:
+        # Sets XLA_FLAGS before JAX starts; a GPU machine ignores it.
+        _configure_jax_cpu_devices(cpu_count)
+        cpu_ok = True
+    except RuntimeError:
+        cpu_ok = False
+    import jax
+
+    accelerators = [d for d in jax.devices() if d.platform != "cpu"]
+    accelerators = accelerators if use_gpus else []
+    if accelerators:
+        if num_devices is not None and num_devices > len(accelerators):
+            raise ValueError(
+                f"--devices {num_devices} asks for more GPUs than the "
+                f"{len(accelerators)} visible here. Use --devices "
+                f"{len(accelerators)} or fewer, or --cpu to split the CPU "
+                "into devices instead."
+            )
+        chosen = accelerators[: num_devices or len(accelerators)]
+        return {
+            "kind": "GPU",
+            "devices": [f"{d.platform}:{d.id}" for d in chosen],
+            "gpu_names": [d.device_kind for d in chosen],
+        }
+    if not cpu_ok:
+        raise RuntimeError(
+            f"JAX started with {len(jax.devices('cpu'))} CPU devices before "
+            f"the demo could ask for {cpu_count}. Run the demo in a fresh "
+            "process: `keras-mgpu demo`."
+        )
+    return {
+        "kind": "CPU",
+        "devices": [f"cpu:{d.id}" for d in jax.devices("cpu")],
+        "gpu_names": [],
+    }
 
 
 def load_digits_split(seed: int = 0) -> tuple:
@@ -249,9 +315,7 @@ class StepLogger(keras.callbacks.Callback):
         self._epoch = epoch
 
     def _learning_rate(self) -> float:
-        from keras_mgpu.schedules import current_learning_rate
-
-        return current_learning_rate(self.model.optimizer)
+        return _learning_rate(self.model.optimizer)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._rows.append(
@@ -276,9 +340,20 @@ class _LogLearningRate(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs is not None and "learning_rate" not in logs:
-            from keras_mgpu.schedules import current_learning_rate
+            logs["learning_rate"] = _learning_rate(self.model.optimizer)
 
-            logs["learning_rate"] = current_learning_rate(self.model.optimizer)
+
+def _learning_rate(optimizer: Any) -> float:
+    """The learning rate of `optimizer`'s next update.
+
+    On JAX, Keras's own `optimizer.learning_rate` (a schedule evaluated at
+    `iterations`), which needs no TensorFlow.
+    """
+    if _backend() == "jax":
+        return float(np.asarray(optimizer.learning_rate))
+    from keras_mgpu.schedules import current_learning_rate
+
+    return current_learning_rate(optimizer)
 
 
 def _peak_memory(history: dict, kind: str, devices: list) -> list:
@@ -289,13 +364,33 @@ def _peak_memory(history: dict, kind: str, devices: list) -> list:
         values = [v for v in history.get(key, []) if math.isfinite(v)]
         return max(values) if values else math.nan
 
+    jax = _backend() == "jax"
     if kind == "GPU":
         for device in devices:
-            short = device.split("device:")[-1]  # "GPU:0"
+            short = device.split("device:")[-1]  # "GPU:0" (or "gpu:0")
             kind_name, _, index = short.partition(":")
             label = f"{kind_name.lower()}{index or 0}"  # the monitor's key
             rows.append(
-                (short, peak(f"mem/{label}_peak_mb"), "TensorFlow allocator")
+                (
+                    short.upper(),
+                    peak(f"mem/{label}_peak_mb"),
+                    "XLA allocator" if jax else "TensorFlow allocator",
+                )
+            )
+    elif jax:
+        # JAX keeps no allocator statistics for CPU devices.
+        figures = [
+            peak(key)
+            for key in history
+            if key.startswith("mem/cpu") and key.endswith("_peak_mb")
+        ]
+        if any(math.isfinite(v) for v in figures):
+            rows.append(
+                (
+                    f"CPU ({len(devices)} devices)",
+                    max(v for v in figures if math.isfinite(v)),
+                    "XLA allocator",
+                )
             )
     else:
         # On CPU TensorFlow keeps one allocator for the process: every
@@ -315,6 +410,16 @@ def _peak_memory(history: dict, kind: str, devices: list) -> list:
 
 
 def _default_device_info() -> dict:
+    if _backend() == "jax":
+        import jax
+
+        gpus = [d for d in jax.devices() if d.platform != "cpu"]
+        chosen = gpus or jax.devices("cpu")
+        return {
+            "kind": "GPU" if gpus else "CPU",
+            "devices": [f"{d.platform}:{d.id}" for d in chosen],
+            "gpu_names": [d.device_kind for d in gpus],
+        }
     kind = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
     devices = [d.name for d in tf.config.list_logical_devices(kind)]
     return {"kind": kind, "devices": devices, "gpu_names": []}
@@ -424,7 +529,7 @@ def _batch_by_memory(
     )
     # The probe model drew initial weights: the trained one starts from
     # the same ones as without the search.
-    keras.utils.set_random_seed(config.seed)
+    set_random_seed(config.seed)
     steps = setup.accumulation_steps
     search = setup.search
     found = {
@@ -447,6 +552,50 @@ def _batch_by_memory(
         ),
         found,
     )
+
+
+# The flag of DemoConfig each component is used under.
+_COMPONENT_FLAGS = {
+    "GradientAccumulationOptimizer": "accumulation",
+    "LearningRateScaler": "scaling",
+    "LearningRateWarmup": "warmup",
+    "MemoryMonitor": "monitors",
+    "GPULoadMonitor": "monitors",
+    "RecomputeGrad": "recompute",
+}
+
+
+def drop_refused_components(config: DemoConfig) -> DemoConfig:
+    """`config` without the components that refuse this backend.
+
+    Each component that `config` turns on is constructed once; one that
+    raises `BackendNotSupportedError` is turned off (both monitors share
+    `monitors`, which stays on while either works) and recorded in
+    `skipped` with the reason, for the summary. On TensorFlow every one
+    constructs.
+    """
+    from keras_mgpu.cli._components import _probes, construct
+
+    probes = _probes()
+    skipped = dict(config.skipped)
+    for name, flag in _COMPONENT_FLAGS.items():
+        if getattr(config, flag):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _, why = construct(probes[name])
+            if why is not None:
+                skipped[name] = why
+    off = {
+        flag: False
+        for flag in set(_COMPONENT_FLAGS.values())
+        if getattr(config, flag)
+        and all(
+            name in skipped
+            for name, owner in _COMPONENT_FLAGS.items()
+            if owner == flag
+        )
+    }
+    return dataclasses.replace(config, skipped=skipped, **off)
 
 
 def _callbacks(config: DemoConfig, paths: _Paths, steps_per_epoch: int) -> list:
@@ -472,8 +621,10 @@ def _callbacks(config: DemoConfig, paths: _Paths, steps_per_epoch: int) -> list:
     callbacks.append(_LogLearningRate())
     callbacks.append(StepLogger(paths.steps, steps_per_epoch))
     if config.monitors:
-        callbacks.append(mgpu_callbacks.MemoryMonitor())
-        callbacks.append(mgpu_callbacks.GPULoadMonitor(interval=0.25))
+        if "MemoryMonitor" not in config.skipped:
+            callbacks.append(mgpu_callbacks.MemoryMonitor())
+        if "GPULoadMonitor" not in config.skipped:
+            callbacks.append(mgpu_callbacks.GPULoadMonitor(interval=0.25))
     if config.progress:
         callbacks.append(ProgressBar(config.epochs, steps_per_epoch))
     # Last: it writes the logs the callbacks above added.
@@ -554,9 +705,27 @@ def _summary(
         "csv": os.path.abspath(paths.csv),
         "steps_csv": os.path.abspath(paths.steps),
         "report": os.path.abspath(paths.png),
-        "notes": run["notes"],
+        "notes": run["notes"] + _skipped_notes(config.skipped),
+        "skipped": dict(config.skipped),
+        "backend": _backend(),
+        "backend_version": _backend_version(),
+        "distribution": run["distribution"],
+        "train_images": run.get("train_images"),
+        "tensorflow_imported": run.get("tensorflow_imported", True),
         "batch_by_memory": run.get("batch_by_memory"),
     }
+
+
+def _skipped_notes(skipped: dict) -> list:
+    return [f"{name} skipped: {why}" for name, why in skipped.items()]
+
+
+def _backend_version() -> str:
+    if _backend() == "jax":
+        import jax
+
+        return f"JAX {jax.__version__}, Keras {keras.__version__}"
+    return f"TensorFlow {tf.__version__}, Keras {keras.__version__}"
 
 
 def _placement_summary(config: DemoConfig, model: Any) -> dict:
@@ -581,9 +750,32 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
     start = time.perf_counter()
     device_info = device_info or _default_device_info()
     paths = _Paths.under(config.output_dir)
-    keras.utils.set_random_seed(config.seed)
+    # Before seeding: building the probes draws initializer seeds.
+    config = drop_refused_components(config)
+    set_random_seed(config.seed)
     data = load_digits_split(config.seed)
+    if _backend() == "jax":
+        config, model, run = _train_on_jax(config, device_info, paths, data)
+    else:
+        config, model, run = _train_on_tensorflow(
+            config, device_info, paths, data
+        )
+    summary = _summary(config, device_info, run, paths)
+    if config.model_parallel:
+        summary.update(_placement_summary(config, model))
+    plot_training_report(
+        paths.csv, paths.png, steps=paths.steps, title=_report_title(summary)
+    )
+    summary["demo_seconds"] = time.perf_counter() - start
+    with open(paths.summary, "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
 
+
+def _train_on_tensorflow(
+    config: DemoConfig, device_info: dict, paths: _Paths, data: tuple
+) -> tuple:
+    """Train under `MirroredStrategy` (or placed): (config, model, run)."""
     strategy = (
         tf.distribute.get_strategy()  # one replica spanning the devices
         if config.model_parallel
@@ -608,23 +800,90 @@ def run_demo(config: DemoConfig, device_info: dict | None = None) -> dict:
     run = {
         "logs": history.history,
         "replicas": replicas,
+        "distribution": (
+            "apply_placement" if config.model_parallel else "MirroredStrategy"
+        ),
         "examples_per_update": examples_per_update,
         "updates": int(model.optimizer.iterations.numpy()),
         "test_images": len(data[2]),
+        "train_images": steps_per_epoch * config.batch_size * replicas,
         "train_seconds": train_seconds,
         "notes": notes,
         "batch_by_memory": batch_by_memory,
     }
-    summary = _summary(config, device_info, run, paths)
+    return config, model, run
+
+
+def _train_on_jax(
+    config: DemoConfig, device_info: dict, paths: _Paths, data: tuple
+) -> tuple:
+    """Train under `keras.distribution.DataParallel` from NumPy arrays
+    (TensorFlow untouched): (config, model, run)."""
     if config.model_parallel:
-        summary.update(_placement_summary(config, model))
-    plot_training_report(
-        paths.csv, paths.png, steps=paths.steps, title=_report_title(summary)
+        raise ValueError(
+            "--model-parallel splits the CNN with apply_placement, which "
+            "runs on TensorFlow only; on JAX use "
+            "keras.distribution.ModelParallel with a LayoutMap"
+        )
+    if config.global_batch_size is not None:
+        raise ValueError(
+            "--global-batch measures memory with TensorFlow's allocator "
+            "(configure_batch), TensorFlow only for now; on JAX give "
+            "--batch-size and --accumulation-steps"
+        )
+    distribution = keras.distribution.DataParallel(
+        devices=device_info["devices"]
     )
-    summary["demo_seconds"] = time.perf_counter() - start
-    with open(paths.summary, "w") as f:
-        json.dump(summary, f, indent=2)
-    return summary
+    replicas = len(device_info["devices"])
+    x_train, y_train, x_test, y_test = data
+    step_batch = config.batch_size * replicas
+    steps_per_epoch = len(x_train) // step_batch
+    if steps_per_epoch < 1:
+        raise ValueError(
+            f"--batch-size {config.batch_size} x {replicas} replicas = "
+            f"{step_batch} is larger than the {len(x_train)} training "
+            "images: use a smaller --batch-size"
+        )
+    # Whole batches only, as on TensorFlow (drop_remainder): every step
+    # splits evenly over the devices and the step is compiled once.
+    # `fit` shuffles these examples each epoch.
+    keep = steps_per_epoch * step_batch
+    order = np.random.default_rng(config.seed).permutation(len(x_train))
+    x_train, y_train = x_train[order[:keep]], y_train[order[:keep]]
+    # Validation batches must split evenly over the devices too.
+    test_keep = len(x_test) - len(x_test) % replicas
+    x_test, y_test = x_test[:test_keep], y_test[:test_keep]
+    with distribution.scope():
+        model, examples_per_update = _compiled_model(config, distribution)
+        history, train_seconds, notes = _fit_collecting_notes(
+            model,
+            dict(
+                x=x_train,
+                y=y_train,
+                batch_size=step_batch,
+                epochs=config.epochs,
+                shuffle=True,
+                validation_data=(x_test, y_test),
+                validation_batch_size=step_batch,
+                callbacks=_callbacks(config, paths, steps_per_epoch),
+                verbose=0,
+            ),
+        )
+    run = {
+        "logs": history.history,
+        "replicas": replicas,
+        "distribution": "keras.distribution.DataParallel",
+        "examples_per_update": examples_per_update,
+        "updates": int(np.asarray(model.optimizer.iterations)),
+        "test_images": test_keep,
+        "train_images": keep,
+        "train_seconds": train_seconds,
+        "notes": notes,
+        "batch_by_memory": None,
+        # Nothing on this path needs it; a component that imports it shows.
+        "tensorflow_imported": "tensorflow" in sys.modules,
+    }
+    return config, model, run
 
 
 def _report_title(summary: dict) -> str:
@@ -634,10 +893,10 @@ def _report_title(summary: dict) -> str:
             "(model parallel)"
         )
     else:
-        where = (
-            f"{summary['replicas']} x {summary['device_kind']} "
-            "(MirroredStrategy)"
-        )
+        how = summary.get("distribution", "MirroredStrategy")
+        if summary.get("backend") == "jax":  # short: the title is one line
+            how = how.replace("keras.distribution.", "") + " on JAX"
+        where = f"{summary['replicas']} x {summary['device_kind']} ({how})"
     parts = [
         f"keras-mgpu demo: digits CNN, {where}",
         f"global batch {summary['global_batch_size']} = "
@@ -701,6 +960,8 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
         devices = (
             f"{summary['replicas']} x GPU ({', '.join(sorted(set(names)))})"
         )
+    elif summary.get("backend") == "jax":
+        devices = f"{summary['replicas']} x CPU device"
     else:
         devices = f"{summary['replicas']} x logical CPU device"
     lr = f"{summary['learning_rate']:.3g}"
@@ -735,8 +996,13 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
     if summary.get("model_parallel"):
         devices = _model_parallel_devices(summary)
     else:
-        devices += " under MirroredStrategy"
+        devices += f" under {summary.get('distribution', 'MirroredStrategy')}"
     rows = [
+        (
+            "backend",
+            f"{summary.get('backend', 'tensorflow')} "
+            f"({summary.get('backend_version', '')})",
+        ),
         ("devices", devices),
         ("global batch", batch),
         *_batch_by_memory_rows(summary.get("batch_by_memory")),
@@ -749,6 +1015,15 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
     ]
     if summary.get("model_parallel"):
         rows += _placement_rows(summary)
+    skipped = summary.get("skipped") or {}
+    if skipped:
+        rows.append(
+            (
+                "skipped",
+                f"{', '.join(skipped)} (refused on "
+                f"{summary.get('backend')}; see the notes)",
+            )
+        )
     if summary["peak_memory"]:
         for index, row in enumerate(summary["peak_memory"]):
             peak = row["peak_mb"]

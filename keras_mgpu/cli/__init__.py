@@ -8,6 +8,11 @@
   strategies work here.
 - `keras-mgpu report RUN.csv` draws the PNG report from a `CSVLogger` file.
 
+With `KERAS_BACKEND=jax`, `demo` trains under `keras.distribution.DataParallel`
+across the GPUs or CPU devices JAX finds (components that refuse JAX are
+skipped and named) and `info` prints the JAX version, its devices and which
+components run on JAX; neither imports TensorFlow.
+
 TensorFlow is imported only once the options are parsed and checked, so
 `--help` and bad options answer without it, and the demo can set up logical
 devices before TensorFlow's runtime starts.

@@ -97,6 +97,17 @@ def native_stderr_to(
         sink.close()
 
 
+def requested_backend() -> str:
+    """The Keras backend the command will run, read without importing Keras
+    (`KERAS_BACKEND`, else `keras.json`, else "tensorflow"); "tensorflow"
+    under tf_keras (`TF_USE_LEGACY_KERAS=1`)."""
+    from keras_mgpu.testing.devices import requested_backend as read
+
+    if os.environ.get("TF_USE_LEGACY_KERAS", "0").lower() in ("1", "true"):
+        return "tensorflow"
+    return read()
+
+
 def missing_modules(modules: dict[str, str]) -> list[str]:
     return [
         package

@@ -1,5 +1,9 @@
 """`keras-mgpu demo`: train a small CNN across devices with every
-component on, print a summary table and write a PNG report."""
+component on, print a summary table and write a PNG report.
+
+TensorFlow: under `MirroredStrategy`. JAX (`KERAS_BACKEND=jax`): under
+`keras.distribution.DataParallel`, with the components that construct on
+JAX (the summary names those that refuse), TensorFlow not imported."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from keras_mgpu.cli._common import (
     native_stderr_to,
     nvml_gpu_count,
     positive_float,
+    requested_backend,
 )
 
 DEFAULT_BATCH_SIZE = 32  # the demo's per-replica micro-batch
@@ -32,8 +37,9 @@ def add_parser(sub, parents: list) -> argparse.ArgumentParser:
         help="train a small CNN across devices with every component on",
         description=(
             "Train a small CNN on scikit-learn's 8x8 digits (no download) "
-            "under MirroredStrategy, across the GPUs present or across "
-            "logical CPU devices, with gradient accumulation, linear "
+            "under MirroredStrategy (with KERAS_BACKEND=jax: "
+            "keras.distribution.DataParallel), across the GPUs present or "
+            "across logical CPU devices, with gradient accumulation, linear "
             "learning-rate scaling and warmup, the memory and load "
             "monitors and a recomputed block. Prints a summary table and "
             "writes a PNG report, the CSV log and summary.json. Turn "
@@ -222,7 +228,8 @@ def run(args) -> int:
         raise CommandError(
             f"cannot create --output {output!r}: {exc}"
         ) from None
-    tf_log = os.path.join(output, "tensorflow.log")
+    jax = requested_backend() == "jax"
+    tf_log = os.path.join(output, "jax.log" if jax else "tensorflow.log")
     with native_stderr_to(not args.verbose, tf_log):
         summary, devices = _train_demo(args, output)
     print()
@@ -247,18 +254,41 @@ def run(args) -> int:
         f"{_shell_path(summary['csv'])})"
     )
     if not args.verbose:
-        print(f"TensorFlow's own messages: {os.path.abspath(tf_log)}")
+        whose = "JAX/XLA's" if jax else "TensorFlow's"
+        print(f"{whose} own messages: {os.path.abspath(tf_log)}")
     return 0
 
 
 def demo_module():
-    """`keras_mgpu.demo`, imported on first use (it imports TensorFlow)."""
+    """`keras_mgpu.demo`, imported on first use (it imports Keras, and
+    TensorFlow on that backend)."""
     from keras_mgpu import demo
 
     return demo
 
 
+def _refuse_on_jax(args) -> None:
+    """Options that need a TensorFlow-only component, refused on JAX before
+    anything starts."""
+    if args.model_parallel:
+        raise CommandError(
+            "--model-parallel splits the CNN with apply_placement, which "
+            "runs on TensorFlow only; on JAX use "
+            "keras.distribution.ModelParallel with a LayoutMap (or unset "
+            "KERAS_BACKEND)"
+        )
+    if args.global_batch is not None:
+        raise CommandError(
+            "--global-batch measures memory with TensorFlow's allocator "
+            "(configure_batch), TensorFlow only for now; on JAX give "
+            "--batch-size and --accumulation-steps"
+        )
+
+
 def _train_demo(args, output: str) -> tuple:
+    jax = requested_backend() == "jax"
+    if jax:
+        _refuse_on_jax(args)
     demo = demo_module()
     try:
         devices = demo.configure_devices(args.devices, not args.cpu)
@@ -287,16 +317,19 @@ def _train_demo(args, output: str) -> tuple:
             f"{len(devices['devices'])}. Use --cpu --devices 2 to split the "
             "CPU into logical devices."
         )
-    if devices["kind"] == "CPU" and not args.cpu:
+    if devices["kind"] == "CPU" and not args.cpu and not jax:
         note = gpu_mismatch_note(nvml_gpu_count(), 0)
         if note is not None:
             print(f"note: {note}", flush=True)
+    cpu_kind = "CPU devices" if jax else "logical CPU devices"
     where = (
         f"{len(devices['devices'])} GPU(s)"
         if devices["kind"] == "GPU"
-        else f"{len(devices['devices'])} logical CPU devices (no GPU used)"
+        else f"{len(devices['devices'])} {cpu_kind} (no GPU used)"
     )
     how = "split across" if args.model_parallel else "MirroredStrategy on"
+    if jax:
+        how = "keras.distribution.DataParallel (JAX backend) on"
     print(
         "keras-mgpu demo: a small CNN on scikit-learn's 8x8 digits "
         f"(1437 train / 360 test images), {how} {where}.",

@@ -1,5 +1,6 @@
 """`keras-mgpu info`: versions, devices, GPUs and the strategies that work
-here."""
+here; on Keras's JAX backend (`KERAS_BACKEND=jax`), the JAX version, its
+devices and which keras_mgpu components run there (TensorFlow untouched)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import importlib.util
 import os
 import platform
+import sys
 
 from keras_mgpu.cli._common import (
     gpu_mismatch_note,
@@ -25,7 +27,9 @@ def add_parser(sub, parents: list) -> argparse.ArgumentParser:
         description=(
             "Print TensorFlow/Keras versions and flavour, physical and "
             "logical devices, GPU names and memory (NVML) and which "
-            "tf.distribute strategies work here."
+            "tf.distribute strategies work here. With KERAS_BACKEND=jax: "
+            "the JAX version and devices, keras.distribution and which "
+            "keras_mgpu components run on JAX."
         ),
     )
     return info
@@ -129,9 +133,139 @@ def strategy_lines(
     return lines
 
 
+def _host_line() -> str:
+    try:
+        import psutil
+
+        return (
+            f"Host: {psutil.cpu_count(logical=True)} CPU threads "
+            f"({psutil.cpu_count(logical=False)} cores), "
+            f"{psutil.virtual_memory().total / 2**30:.1f} GiB memory"
+        )
+    except ImportError:  # a dependency, but keep info working without it
+        return f"Host: {os.cpu_count()} CPU threads"
+
+
+def _device_line(device) -> str:
+    line = f"  {device.platform}:{device.id} {device.device_kind}"
+    stats = None
+    with contextlib.suppress(Exception):  # None on CPU; absent on some
+        stats = device.memory_stats()
+    if stats and stats.get("bytes_limit"):
+        line += f", {stats['bytes_limit'] / 2**20:,.0f} MiB for XLA"
+    return line
+
+
+def jax_lines(components: list | None = None) -> list[str]:
+    """What `info` prints on the JAX backend (TensorFlow is not imported).
+
+    `components`: `(name, works, why not)` rows (default: read now by
+    constructing each component, `keras_mgpu.cli._components`).
+    """
+    import jax
+    import keras
+
+    from keras_mgpu import __version__
+    from keras_mgpu.cli._components import (
+        FAILED,
+        instead_of,
+        support_table,
+    )
+
+    devices = jax.devices()
+    cpus = jax.devices("cpu")
+    accelerators = [d for d in devices if d.platform != "cpu"]
+    lines = [
+        f"keras-mgpu {__version__}",
+        f"Python {platform.python_version()} on {platform.platform()}",
+        f"Backend: jax (KERAS_BACKEND={os.environ.get('KERAS_BACKEND', '')})",
+        f"JAX {jax.__version__}, jaxlib "
+        f"{getattr(jax.lib, '__version__', None) or _jaxlib_version()}, "
+        f"Keras {keras.__version__}",
+        f"Devices ({jax.default_backend()} by default): "
+        f"{len(accelerators)} accelerator(s), {len(cpus)} CPU device(s)",
+    ]
+    lines += [_device_line(d) for d in accelerators]
+    if len(cpus) > 1:
+        lines.append(
+            f"  {len(cpus)} CPU devices (XLA_FLAGS "
+            "--xla_force_host_platform_device_count)"
+        )
+    lines += _nvml_lines()
+    nvml_gpus = nvml_gpu_count()
+    if nvml_gpus and not accelerators:
+        lines.append(
+            f"Note: NVML sees {nvml_gpus} GPU(s) but JAX sees none, so "
+            'training runs on the CPU: pip install "jax[cuda12]" (or '
+            "jax[cuda13] for your driver), then check with `keras-mgpu info`."
+        )
+    lines.append(_host_line())
+    found = [
+        f"{name} [{extra}] "
+        + ("yes" if importlib.util.find_spec(module) else "no")
+        for module, (name, extra) in {
+            "matplotlib": ("matplotlib", "plot"),
+            "sklearn": ("scikit-learn", "demo"),
+            "pynvml": ("nvidia-ml-py", "gpu"),
+        }.items()
+    ]
+    lines.append("Optional: " + ", ".join(found))
+    where = (
+        f"the {len(accelerators)} {accelerators[0].platform.upper()}(s)"
+        if accelerators
+        else f"the {len(cpus)} CPU device(s)"
+    )
+    lines += [
+        "Distribution on JAX (keras.distribution; tf.distribute strategies "
+        "are TensorFlow's):",
+        f"  DataParallel                 model.fit across {where} "
+        "(keras-mgpu demo)",
+        "  ModelParallel                with a LayoutMap (keras-hub's "
+        "get_layout_map for Gemma/Llama)",
+        "  several processes            keras.distribution.initialize(); "
+        "keras_mgpu's multi-process support on JAX is planned (issue 29)",
+        "keras_mgpu components on jax (each one constructed here):",
+    ]
+    rows = support_table() if components is None else components
+    width = max(len(name) for name, _, _ in rows)
+    for name, works, why in rows:
+        if works:
+            state = "works"
+        elif why.startswith(FAILED):
+            state = f"ERROR: {why}"
+        else:
+            state = f"refuses: {instead_of(why)}"
+        lines.append(f"  {name:<{width}}  {state}")
+    lines.append(
+        "TensorFlow imported: "
+        + (
+            "yes (by a component above; on JAX none should)"
+            if "tensorflow" in sys.modules
+            else "no"
+        )
+    )
+    return lines
+
+
+def _jaxlib_version() -> str:
+    try:
+        import jaxlib
+
+        return jaxlib.__version__
+    except (ImportError, AttributeError):
+        return "?"
+
+
 def run(args) -> int:
     """Print what this machine offers; return the exit code."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from keras_mgpu.cli._common import requested_backend
+
+    if requested_backend() == "jax":
+        with native_stderr_to(not args.verbose):
+            lines = jax_lines()
+        print("\n".join(lines))
+        return 0
     with native_stderr_to(not args.verbose):
         from keras_mgpu import __version__
         from keras_mgpu._flavour import FLAVOUR, IS_TF_KERAS, keras, tf
@@ -173,16 +307,7 @@ def run(args) -> int:
     note = gpu_mismatch_note(nvml_gpu_count(), len(gpu_details))
     if note is not None:
         lines.append(f"Note: {note}")
-    try:
-        import psutil
-
-        lines.append(
-            f"Host: {psutil.cpu_count(logical=True)} CPU threads "
-            f"({psutil.cpu_count(logical=False)} cores), "
-            f"{psutil.virtual_memory().total / 2**30:.1f} GiB memory"
-        )
-    except ImportError:  # a dependency, but keep info working without it
-        lines.append(f"Host: {os.cpu_count()} CPU threads")
+    lines.append(_host_line())
     extras = {
         "matplotlib": ("matplotlib", "plot"),
         "sklearn": ("scikit-learn", "demo"),

@@ -12,28 +12,49 @@ keras_mgpu_cpu_devices = 4
 Installing keras_mgpu changes no one's other tests: without activation,
 TensorFlow is not imported by the plugin and sees one CPU device.
 
-Once active, the host CPU is split into logical devices before TensorFlow
-starts (a clear error if something started it first), and these fixtures
-exist:
+Once active, the host CPU is split into devices before the backend's
+runtime starts (TensorFlow: logical CPU devices; JAX: `XLA_FLAGS`
+`--xla_force_host_platform_device_count`; a clear error if something started
+it first), and these fixtures exist:
 
-- `strategy`: parametrised over the matrix `default`, `one_device`,
-  `mirrored_2`, `mirrored_4`, `central_storage` (ids in the test names:
-  `test_x[mirrored_2]`); `strategy_name` gives the id.
+- `strategy`: parametrised over the matrix of the running backend (ids in
+  the test names: `test_x[mirrored_2]`); `strategy_name` gives the id.
+  TensorFlow: `default`, `one_device`, `mirrored_2`, `mirrored_4`,
+  `central_storage`. JAX (`KERAS_BACKEND=jax`): `default` (no
+  distribution), `data_parallel_1`, `data_parallel_2`, `data_parallel_4`
+  (`keras.distribution.DataParallel`) and `model_parallel_2x2`
+  (`ModelParallel` on a ("batch", "model") mesh whose `LayoutMap` splits
+  Dense kernels and biases along "model"). The fixture returns the
+  strategy or distribution without entering it: both kinds have a
+  `.scope()`, so one test body runs on either backend:
+
+  ```python
+  def test_trains(strategy):
+      with strategy.scope():  # tf.distribute or keras.distribution
+          model = build_model()
+          model.fit(x, y, batch_size=16)
+  ```
+
+  On JAX, `fit` belongs inside the scope too (Keras reads the distribution
+  in force to split the batch). An entry that needs more devices than
+  configured is skipped, with the reason.
 - `mirrored_strategy`: a factory, `mirrored_strategy(n)`, for a
   `MirroredStrategy` of n replicas that any other size may follow in the
   same process (it avoids `CollectiveAllReduce` pinning its group size).
+  TensorFlow only; on JAX it refuses, naming `DataParallel`.
 - `run_workers`: `run_workers(fn, num_workers=2, *args, timeout=...)` runs
   an importable function in real processes forming a multi-worker cluster
   on 127.0.0.1 (`chief=True` for a chief + workers cluster), returns their
   results, shows their output when one fails and kills the whole process
-  group on time-out or failure.
-- `cpu_devices`: the logical device names.
+  group on time-out or failure. TensorFlow only for now; on JAX it refuses.
+- `cpu_devices`: the device names.
 
 The same helpers are plain functions here (`run_workers`,
 `assert_trains_like`, `mirrored_strategy`, `make_strategy`,
-`configure_cpu_devices`) for use outside fixtures. Works with Keras 3 and
-tf_keras (the flavour the test process runs) and with pytest-xdist (each
-xdist process configures its own devices).
+`configure_cpu_devices`) for use outside fixtures, with `set_random_seed`
+(Keras's, without importing TensorFlow on JAX). Works with Keras 3
+(TensorFlow or JAX backend) and tf_keras (the flavour the test process runs)
+and with pytest-xdist (each xdist process configures its own devices).
 """
 
 from __future__ import annotations
@@ -45,8 +66,11 @@ from keras_mgpu.testing.devices import (
     configure_cpu_devices,
 )
 from keras_mgpu.testing.numerics import assert_trains_like
+from keras_mgpu.testing.seeds import set_random_seed
 from keras_mgpu.testing.strategies import (
+    JAX_STRATEGY_NAMES,
     STRATEGY_NAMES,
+    TF_STRATEGY_NAMES,
     make_strategy,
     mirrored_strategy,
 )
@@ -54,13 +78,16 @@ from keras_mgpu.testing.workers import WorkersFailed, run_workers
 
 __all__ = [
     "DEFAULT_CPU_DEVICES",
+    "JAX_STRATEGY_NAMES",
     "STRATEGY_NAMES",
+    "TF_STRATEGY_NAMES",
     "WorkersFailed",
     "assert_trains_like",
     "configure_cpu_devices",
     "make_strategy",
     "mirrored_strategy",
     "run_workers",
+    "set_random_seed",
 ]
 
 import pytest  # noqa: E402  (the plugin needs it; the helpers do not)
@@ -137,8 +164,11 @@ def pytest_sessionfinish(session: Any) -> None:
 
 
 def pytest_report_header(config: Any) -> str:
+    from keras_mgpu.testing.devices import requested_backend
+
     devices = getattr(config, "_keras_mgpu_devices", None) or []
-    return f"keras_mgpu.testing: {len(devices)} logical CPU devices"
+    kind = "JAX CPU" if requested_backend() == "jax" else "logical CPU"
+    return f"keras_mgpu.testing: {len(devices)} {kind} devices"
 
 
 # ----------------------------------------------------------------------
@@ -152,7 +182,21 @@ def cpu_devices(pytestconfig: Any) -> list[str]:
 
 @pytest.fixture(params=STRATEGY_NAMES)
 def strategy(request: Any) -> Any:
-    """Each strategy of the matrix (test ids: `[mirrored_2]`, ...)."""
+    """Each entry of the running backend's matrix (test ids:
+    `[mirrored_2]`, `[data_parallel_2]`, ...), not entered: use
+    `with strategy.scope():`. Entries needing more devices than configured
+    are skipped."""
+    from keras_mgpu.testing.strategies import (
+        available_devices,
+        devices_needed,
+    )
+
+    needed, have = devices_needed(request.param), available_devices()
+    if needed > have:
+        pytest.skip(
+            f"{request.param} needs {needed} CPU devices; {have} configured "
+            f"({INI_OPTION} = {have})"
+        )
     return make_strategy(request.param)
 
 
@@ -164,11 +208,20 @@ def strategy_name(strategy: Any, request: Any) -> str:
 
 @pytest.fixture(name="mirrored_strategy")
 def mirrored_strategy_factory() -> Any:
-    """`mirrored_strategy(n)`: a MirroredStrategy of n replicas."""
+    """`mirrored_strategy(n)`: a MirroredStrategy of n replicas
+    (TensorFlow; on JAX it refuses, naming `DataParallel`)."""
+    from keras_mgpu.testing.strategies import running_backend
+
+    if running_backend() == "jax":
+        mirrored_strategy()  # raises BackendNotSupportedError, says why
     return mirrored_strategy
 
 
 @pytest.fixture(name="run_workers")
 def run_workers_fixture() -> Any:
-    """`run_workers(fn, num_workers=2, *args, timeout=..., chief=False)`."""
+    """`run_workers(fn, num_workers=2, *args, timeout=..., chief=False)`
+    (TensorFlow; on JAX it refuses)."""
+    from keras_mgpu.testing.workers import _refuse_off_tensorflow
+
+    _refuse_off_tensorflow()
     return run_workers

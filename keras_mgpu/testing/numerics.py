@@ -1,5 +1,5 @@
 """`assert_trains_like`: a model trains to the same weights under a
-strategy as on one device."""
+strategy (TensorFlow) or a `keras.distribution` (JAX) as without one."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def assert_trains_like(
     seed: int = 0,
 ) -> dict[str, float]:
     """Check that `model_fn()`'s model trains to the same weights under
-    `strategy` as under `reference` (one device by default).
+    `strategy` as under `reference` (no distribution by default).
 
     Builds the model twice (in each strategy's scope, seeded alike), gives
     the second the first's initial weights, trains both with
@@ -36,12 +36,23 @@ def assert_trains_like(
     against the plain computation), for your models, losses and
     `train_step`s.
 
+    TensorFlow: `strategy` is a `tf.distribute.Strategy`; the models are
+    built in its scope and `fit` runs outside it (Keras remembers the
+    strategy). JAX: `strategy` is a `keras.distribution.Distribution`
+    (`DataParallel`, `ModelParallel`, ...); the models are built *and*
+    trained inside `strategy.scope()` (the variables' layouts are fixed at
+    creation, and `fit` splits the batch by the distribution in force), the
+    reference without a distribution. Either: a matrix name
+    (`"data_parallel_2"`, `"mirrored_2"`, see `make_strategy`).
+
     Args:
         model_fn: builds and compiles the model; called inside each
             strategy's scope.
         data: `(x, y)` (or `(x, y, sample_weight)`) NumPy arrays.
-        strategy: the `tf.distribute.Strategy` under test.
-        reference: "default" (no strategy) or another strategy.
+        strategy: the `tf.distribute.Strategy` or
+            `keras.distribution.Distribution` under test, or a matrix name.
+        reference: "default" (no strategy or distribution), another
+            strategy/distribution, or a matrix name.
         steps: int >= 1, steps per epoch.
         batch_size: int or None, the global batch; defaults to
             `len(x) // steps`.
@@ -66,7 +77,11 @@ def assert_trains_like(
                                               strategy, steps=4)
     ```
     """
-    import tensorflow as tf
+    from keras_mgpu.testing.strategies import (
+        describe,
+        make_strategy,
+        running_backend,
+    )
 
     for name, value in (("steps", steps), ("epochs", epochs)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -79,13 +94,16 @@ def assert_trains_like(
             "Argument `data` must be a tuple (x, y) or (x, y, sample_weight)"
             f" of arrays. Received: data of type {type(data).__name__}"
         )
-    if reference == "default":
-        reference = tf.distribute.get_strategy()
+    if isinstance(strategy, str):
+        strategy = make_strategy(strategy)
+    if isinstance(reference, str):
+        reference = make_strategy(reference)
+    train = _train_jax if running_backend() == "jax" else _train
     batch_size = batch_size or max(len(data[0]) // steps, 1)
-    expected = _train(
+    expected = train(
         model_fn, data, reference, None, batch_size, steps, epochs, seed
     )
-    actual = _train(
+    actual = train(
         model_fn,
         data,
         strategy,
@@ -107,8 +125,8 @@ def assert_trains_like(
             atol=atol,
             err_msg=(
                 f"weight {path!r} after training under "
-                f"{type(strategy).__name__} differs from "
-                f"{type(reference).__name__} (max abs difference "
+                f"{describe(strategy)} differs from "
+                f"{describe(reference)} (max abs difference "
                 f"{differences[path]:.3g})"
             ),
         )
@@ -144,4 +162,35 @@ def _train(
         "initial": start,
         "weights": [np.array(w) for w in model.get_weights()],
         "paths": [getattr(w, "path", w.name) for w in model.weights],
+    }
+
+
+def _train_jax(
+    model_fn, data, distribution, initial, batch_size, steps, epochs, seed
+) -> dict:
+    """`_train` for a `keras.distribution`: build and fit in its scope."""
+    from keras_mgpu.testing.seeds import set_random_seed
+
+    set_random_seed(seed)
+    x, y = data[0], data[1]
+    weights = data[2] if len(data) > 2 else None
+    with distribution.scope():
+        model = model_fn()
+        if initial is not None:
+            model.set_weights(initial)
+        start = [np.array(w) for w in model.get_weights()]
+        model.fit(
+            x,
+            y,
+            sample_weight=weights,
+            batch_size=batch_size,
+            steps_per_epoch=steps,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+        )
+    return {
+        "initial": start,
+        "weights": [np.array(w) for w in model.get_weights()],
+        "paths": [w.path for w in model.weights],
     }

@@ -116,9 +116,14 @@ def run_workers(
     Returns:
         A list with each process's return value.
 
+    TensorFlow only for now: on JAX it raises `BackendNotSupportedError`
+    (clusters of JAX processes, `keras.distribution.initialize()`, are a
+    later issue).
+
     Raises:
         WorkersFailed: a process raised or died (its output and traceback
             in the message), or the cluster did not finish in `timeout`.
+        BackendNotSupportedError: on the JAX backend.
 
     Example:
 
@@ -131,6 +136,7 @@ def run_workers(
     losses = keras_mgpu.testing.run_workers(train, 2, 0.5, timeout=60)
     ```
     """
+    _refuse_off_tensorflow()
     target = _target_of(fn)
     for name, value, low in (
         ("num_workers", num_workers, 1),
@@ -165,6 +171,23 @@ def run_workers(
             _kill(proc)
         for log in logs:
             log.close()
+
+
+def _refuse_off_tensorflow() -> None:
+    from keras_mgpu.testing.strategies import running_backend
+
+    if running_backend() != "tensorflow":
+        from keras_mgpu.backend import ON_JAX_MULTI_PROCESS, require_backend
+
+        require_backend(
+            "keras_mgpu.testing.run_workers",
+            ("tensorflow",),
+            instead=(
+                f"{ON_JAX_MULTI_PROCESS} (a multi-process test harness for "
+                "JAX is planned, issue 29; in one process, the `strategy` "
+                "fixture's data_parallel_<n> entries)"
+            ),
+        )
 
 
 def _start(target, workdir, index, config, env, cpu_devices, log):
