@@ -211,6 +211,18 @@ def _run_case(name: str, quick: bool, timeout: float) -> list[dict]:
     return _run(cmd, name, timeout)
 
 
+def _json_lines(text: str) -> list[dict]:
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass
+    return rows
+
+
 def _run(cmd: list[str], name: str, timeout: float) -> list[dict]:
     start = time.monotonic()
     try:
@@ -222,16 +234,16 @@ def _run(cmd: list[str], name: str, timeout: float) -> list[dict]:
             timeout=timeout,
             cwd=ROOT,
         )
-    except subprocess.TimeoutExpired:
-        return [{"case": name, "error": f"timed out after {timeout:.0f} s"}]
-    rows = []
-    for line in proc.stdout.splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                pass
+    except subprocess.TimeoutExpired as exc:
+        # Keep what the case printed before its time ran out.
+        stdout = exc.stdout or ""
+        if isinstance(stdout, bytes):
+            stdout = stdout.decode(errors="replace")
+        return [
+            *_json_lines(stdout),
+            {"case": name, "error": f"timed out after {timeout:.0f} s"},
+        ]
+    rows = _json_lines(proc.stdout)
     if proc.returncode != 0 or not rows:
         rows.append(
             {
@@ -260,7 +272,6 @@ def main() -> int:
     quick = ["--quick"] if args.quick else []
     plan = [
         ("device", lambda: _run_case("device", args.quick, 120)),
-        ("monitors", lambda: _run_case("monitors", args.quick, 150)),
         ("accumulation", lambda: _run_case("accumulation", args.quick, 150)),
         (
             "bench_recompute_jax",
@@ -274,6 +285,7 @@ def main() -> int:
                 240,
             ),
         ),
+        ("monitors", lambda: _run_case("monitors", args.quick, 150)),
         (
             "check_gpu_monitors_jax",
             lambda: _run(

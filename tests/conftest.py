@@ -95,14 +95,28 @@ __all__ = ["STRATEGY_NAMES", "make_strategy"]
 
 _FLAVOUR_AT_START = os.environ.get("TF_USE_LEGACY_KERAS")
 
+if BACKEND == "jax":
+    # Keras's own seeding imports TensorFlow on JAX whenever it is installed
+    # (a keras_limit test says so); ours seeds the same without it.
+    from keras_mgpu.testing import set_random_seed  # noqa: E402
+
+    def clear_session() -> None:
+        # Keras's `free_memory=True` runs the garbage collector: ~0.9 s a
+        # call on JAX, twice a test; the Keras state is cleared either way.
+        keras.backend.clear_session(free_memory=False)
+
+else:
+    set_random_seed = keras.utils.set_random_seed
+    clear_session = keras.backend.clear_session
+
 
 @pytest.fixture(autouse=True)
 def _fresh_keras_session():
     """Clear Keras state and seed every RNG before each test."""
-    keras.backend.clear_session()
-    keras.utils.set_random_seed(1234)
+    clear_session()
+    set_random_seed(1234)
     yield
-    keras.backend.clear_session()
+    clear_session()
     # `import tensorflow_model_optimization` sets TF_USE_LEGACY_KERAS=1 in
     # os.environ; every later subprocess (workers, examples) would inherit
     # the other flavour. Put the session's value back and say who did it.
