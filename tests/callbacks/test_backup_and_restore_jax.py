@@ -194,10 +194,6 @@ def test_keras_gradient_accumulation_resumes_mid_window(tmp_path):
     assert int(model.optimizer.iterations) == (EPOCHS * STEPS) // 3
 
 
-# TODO(issue 28, item 1): enable once GradientAccumulationOptimizer runs on
-# JAX (ported by another change; at 76b9e07 it constructs there but its
-# `apply` fails in `fit`: no `_distribution_strategy`).
-@pytest.mark.skip(reason="needs GradientAccumulationOptimizer on JAX")
 @pytest.mark.parametrize("name", ["default", "data_parallel"])
 def test_accumulation_wrapper_resumes_mid_window(name, tmp_path):
     from keras_mgpu import GradientAccumulationOptimizer
