@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import keras
+import numpy as np
 import pytest
 
 import keras_mgpu
@@ -105,3 +106,72 @@ def test_a_distribution_is_told_from_a_strategy_like_object():
     assert is_distribution(keras.distribution.DataParallel(devices=devices))
     assert not is_distribution(object())
     assert not is_distribution(None)
+
+
+def _components(tmp_path):
+    """Each public component, built as a user builds it."""
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.BatchNormalization()]
+        + [keras.layers.Dense(4)]
+    )
+    data = (np.zeros((8, 4), "float32"), np.zeros((8, 4), "float32"))
+    return {
+        "GradientAccumulationOptimizer": lambda: (
+            keras_mgpu.GradientAccumulationOptimizer(
+                keras.optimizers.SGD(0.1), 2
+            )
+        ),
+        "Warmup": lambda: keras_mgpu.Warmup(0.1, 2),
+        "RecomputeGrad": lambda: keras_mgpu.RecomputeGrad(
+            keras.layers.Dense(2)
+        ),
+        "apply_recompute": lambda: keras_mgpu.apply_recompute(model),
+        "strip_recompute": lambda: keras_mgpu.strip_recompute(model),
+        "LearningRateScaler": lambda: keras_mgpu.callbacks.LearningRateScaler(
+            256, batch_size=32
+        ),
+        "LearningRateWarmup": lambda: keras_mgpu.callbacks.LearningRateWarmup(
+            warmup_steps=2
+        ),
+        "MemoryMonitor": lambda: keras_mgpu.callbacks.MemoryMonitor(),
+        "GPULoadMonitor": lambda: keras_mgpu.callbacks.GPULoadMonitor(),
+        "BackupAndRestore": lambda: keras_mgpu.callbacks.BackupAndRestore(
+            str(tmp_path)
+        ),
+        "find_batch_size": lambda: keras_mgpu.find_batch_size(
+            model, data, memory_budget_mb=64
+        ),
+        "configure_batch": lambda: keras_mgpu.configure_batch(
+            model, data, 64, memory_budget_mb=64
+        ),
+        "use_window_statistics": lambda: (
+            keras_mgpu.normalization.use_window_statistics(model, window=2)
+        ),
+        "synchronize_batchnorm": lambda: (
+            keras_mgpu.normalization.synchronize_batchnorm(model)
+        ),
+        "freeze_batchnorm": lambda: keras_mgpu.normalization.freeze_batchnorm(
+            model
+        ),
+        "convert_batchnorm_to_groupnorm": lambda: (
+            keras_mgpu.normalization.convert_batchnorm_to_groupnorm(model)
+        ),
+        "WorkerWatchdog": lambda: keras_mgpu.callbacks.WorkerWatchdog(),
+        "StragglerMonitor": lambda: keras_mgpu.callbacks.StragglerMonitor(),
+        "PowerSGD": lambda: keras_mgpu.compression.PowerSGD(),
+        "apply_placement": lambda: keras_mgpu.apply_placement(model),
+    }
+
+
+@pytest.mark.parametrize("other", ["torch", "numpy", "openvino"])
+def test_components_refuse_other_backends(other, tmp_path, monkeypatch):
+    """On Keras's other backends every component refuses at construction,
+    naming the backend and the supported ones (the backend is faked: only
+    JAX and TensorFlow are installed for the suite)."""
+    monkeypatch.setattr(keras_mgpu.backend, "backend", lambda: other)
+    for name, build in _components(tmp_path).items():
+        with pytest.raises(BackendNotSupportedError) as error:
+            build()
+        message = str(error.value)
+        assert f"{other!r} backend" in message, (name, message)
+        assert "'tensorflow'" in message, (name, message)

@@ -9,6 +9,7 @@ from typing import Any
 
 from keras_mgpu._flavour import flavour_of, keras_of, tf
 from keras_mgpu._validation import check_choice, check_int, check_number
+from keras_mgpu.backend import require_backend
 from keras_mgpu.batch_size.finder import BatchSizeResult, probe_batch_size
 from keras_mgpu.batch_size.plan import DEFAULT_MIN_FILL, BatchPlan, plan_batch
 from keras_mgpu.batch_size.search import DEFAULT_MAX_TRIALS
@@ -146,6 +147,7 @@ def configure_batch(
               callbacks=setup.callbacks)
     ```
     """
+    require_backend("configure_batch")
     check_int(global_batch_size, "global_batch_size", minimum=1)
     check_int(base_batch_size, "base_batch_size", minimum=1, allow_none=True)
     check_choice(scaling_rule, "scaling_rule", SCALING_RULES)

@@ -12,6 +12,7 @@ import numpy as np
 from keras_mgpu import backend
 from keras_mgpu._flavour import tf
 from keras_mgpu._validation import check_int, check_number
+from keras_mgpu.backend import require_backend
 from keras_mgpu.batch_size import memory_probe as probe_module
 from keras_mgpu.batch_size.samples import SampleBatches
 from keras_mgpu.batch_size.search import (
@@ -297,6 +298,7 @@ def find_batch_size(
     )
     ```
     """
+    require_backend("find_batch_size")
     return probe_batch_size(
         model,
         data,

@@ -21,6 +21,7 @@ from typing import Any
 
 from keras_mgpu._flavour import TF_RUNS, keras_of, object_flavour
 from keras_mgpu._validation import check_int
+from keras_mgpu.backend import require_backend
 from keras_mgpu.normalization._find import (
     batchnorm_layers,
     choice_of,
@@ -294,6 +295,7 @@ def synchronize_batchnorm(model: Any, *, synchronized: bool = True) -> Any:
     model.fit(dataset)
     ```
     """
+    require_backend("synchronize_batchnorm")
     keras = _keras_for(model)
     synchronized = _check_bool(synchronized, "synchronized")
     layers = _layers_or_warn(model, "synchronize_batchnorm")
@@ -384,6 +386,7 @@ def freeze_batchnorm(model: Any, *, frozen: bool = True) -> Any:
         "sparse_categorical_crossentropy")
     ```
     """
+    require_backend("freeze_batchnorm")
     _keras_for(model)
     frozen = _check_bool(frozen, "frozen")
     layers = _layers_or_warn(model, "freeze_batchnorm")
@@ -480,6 +483,7 @@ def accept_micro_batch_statistics(model: Any, *, accepted: bool = True) -> Any:
     keras_mgpu.normalization.accept_micro_batch_statistics(model)
     ```
     """
+    require_backend("accept_micro_batch_statistics")
     _keras_for(model)
     accepted = _check_bool(accepted, "accepted")
     for layer in _layers_or_warn(model, "accept_micro_batch_statistics"):
@@ -753,6 +757,7 @@ def convert_batchnorm_to_groupnorm(
     model.compile("sgd", "sparse_categorical_crossentropy")
     ```
     """
+    require_backend("convert_batchnorm_to_groupnorm")
     keras = _keras_for(model)
     groups = _check_groups(groups)
     min_values = check_int(

@@ -39,6 +39,7 @@ from keras_mgpu._flavour import (
     tf,
 )
 from keras_mgpu._validation import check_int
+from keras_mgpu.backend import require_backend
 from keras_mgpu.normalization._find import (
     batchnorm_layers,
     choice_of,
@@ -801,6 +802,7 @@ def use_window_statistics(
     model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
     ```
     """
+    require_backend("use_window_statistics")
     _check_model(model)
     window = _window_of(window, optimizer)
     _check_statistics(statistics)
@@ -860,6 +862,7 @@ def restore_batchnorm_statistics(model: Any) -> Any:
     assert type(model.layers[0]) is keras.layers.BatchNormalization
     ```
     """
+    require_backend("restore_batchnorm_statistics")
     _check_model(model)
     for layer in batchnorm_layers(model):
         if isinstance(layer, _WindowStatisticsMixin):

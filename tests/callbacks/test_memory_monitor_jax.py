@@ -4,7 +4,6 @@ preallocation note (once), and no TensorFlow import."""
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 
@@ -258,27 +257,3 @@ def test_argument_errors_as_on_tensorflow():
         MemoryMonitor(update_freq=0)
     with pytest.raises(TypeError, match="`gather_workers` must be a bool"):
         MemoryMonitor(gather_workers="yes")
-
-
-@pytest.mark.slow
-@pytest.mark.keras_limit
-def test_keras_set_random_seed_imports_tensorflow_on_jax():
-    """Keras 3.15's `keras.utils.set_random_seed` imports TensorFlow when
-    it is installed, on the JAX backend too (to seed `tf.random`): a JAX
-    user who seeds pays TensorFlow's import (seconds, and GPU memory where
-    it sees a GPU) though no keras_mgpu monitor touches it. Fails once Keras
-    imports TensorFlow only where it runs."""
-    import subprocess
-
-    code = (
-        "import sys, keras; keras.utils.set_random_seed(1); "
-        "print('tensorflow' in sys.modules)"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "KERAS_BACKEND": "jax"},
-    )
-    assert out.stdout.strip().splitlines()[-1] == "True", out.stderr
