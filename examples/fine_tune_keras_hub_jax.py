@@ -118,10 +118,8 @@ def build_classifier():
     return keras.Model(inputs, outputs, name="classifier")
 
 
-# Every GPU, else the CPU devices asked for above.
-devices = keras.distribution.list_devices("gpu") or (
-    keras.distribution.list_devices("cpu")
-)
+# Every GPU, else the CPU devices asked for above (JAX's default platform).
+devices = keras.distribution.list_devices()
 distribution = keras.distribution.DataParallel(devices=devices)
 replicas = keras_mgpu.num_replicas_in_sync(distribution)
 print(f"backend: {keras.backend.backend()}")

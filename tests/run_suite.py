@@ -1,4 +1,11 @@
-"""Run the whole test suite: the Keras 3 flavour, then the tf_keras flavour.
+"""Run the whole test suite: Keras 3 on TensorFlow, Keras 3 on JAX, then the
+tf_keras flavour.
+
+Keras 3 on JAX runs in pytest processes of its own with `KERAS_BACKEND=jax`
+and 4 CPU devices (`XLA_FLAGS`, set by keras_mgpu.testing before JAX
+starts): `tests/conftest.py` collects only the `test_*_jax.py` modules there
+and skips them on TensorFlow. `--backend jax` (or `tensorflow`) runs one
+backend's jobs only.
 
 The Keras flavour is fixed per process, so the tf_keras tests
 (`tests/legacy`) run in a pytest process of their own with
@@ -21,7 +28,8 @@ KERAS_MGPU_SKIP_OLDEST=1 skips it (for a quick local run).
 `--quick` is the everyday tier: the Keras 3 tests not marked `slow`, less
 the modules in QUICK_IGNORED (processes, clusters, Keras's replayed cases):
 518 tests in 4.5 min on 2 cores (measured 2026-11-25 with the
-normalization package and the batch finder's confirmation run).
+normalization package and the batch finder's confirmation run). JAX's quick
+tier is `--quick --backend jax`.
 
 `--nightly` (by hand, never part of `.ci/run`) runs only `NIGHTLY_TESTS`
 against the newest keras-nightly and tf-nightly, in `.venv-nightly` in the
@@ -218,6 +226,21 @@ def _nightly_venv() -> str | None:
 
 
 QUICK = "--quick" in sys.argv[1:]
+
+
+def _backend_asked() -> str | None:
+    """`--backend jax` or `--backend tensorflow`: that backend's runs only."""
+    argv = sys.argv[1:]
+    if "--backend" not in argv:
+        return None
+    index = argv.index("--backend")
+    value = argv[index + 1] if index + 1 < len(argv) else ""
+    if value not in ("jax", "tensorflow"):
+        sys.exit(f"--backend must be jax or tensorflow. Received: {value!r}")
+    return value
+
+
+BACKEND_ASKED = _backend_asked()
 NIGHTLY = "--nightly" in sys.argv[1:]
 
 
@@ -243,7 +266,11 @@ QUICK_IGNORED = (
 
 def _pytest_arguments() -> list[str]:
     """What the command line adds to every pytest run."""
-    extra = [a for a in sys.argv[1:] if a not in ("--quick", "--nightly")]
+    argv = sys.argv[1:]
+    if "--backend" in argv:  # and its value
+        index = argv.index("--backend")
+        argv = argv[:index] + argv[index + 2 :]
+    extra = [a for a in argv if a not in ("--quick", "--nightly")]
     if not QUICK:
         return extra
     ignored = [f"--ignore={path}" for path in QUICK_IGNORED]
@@ -265,6 +292,10 @@ def main() -> int:
             ["tests"],
         ),
     ]
+    if QUICK and BACKEND_ASKED is None:
+        # The everyday tier stays under 5 minutes: Keras 3 on TensorFlow;
+        # `--quick --backend jax` is JAX's (about a minute).
+        runs = runs[:1]
     if not QUICK:
         runs.append(
             ("tf_keras", {"TF_USE_LEGACY_KERAS": "1"}, ["tests/legacy"])
@@ -285,6 +316,10 @@ def main() -> int:
                 OLDEST_TESTS,
             )
         )
+    if BACKEND_ASKED is not None:
+        runs = [
+            run for run in runs if (run[0] == "jax") == (BACKEND_ASKED == "jax")
+        ]
     failed_runs = 0
     total = {"passed": 0, "failed": 0, "skipped": 0}
     for label, env, paths in runs:
