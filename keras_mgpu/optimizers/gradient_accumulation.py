@@ -506,25 +506,7 @@ class GradientAccumulationOptimizer(
             self._build_for_jax(var_list)
             return
         # The wrapper's own `_iterations` counts micro-steps.
-        self._pending_steps = self.add_variable(
-            shape=(),
-            dtype="int64",
-            aggregation="only_first_replica",
-            name="pending_steps",
-        )
-        self._skipped_updates = self.add_variable(
-            shape=(),
-            dtype="int64",
-            aggregation="only_first_replica",
-            name="skipped_updates",
-        )
-        if self.momentum_correction:
-            self._previous_learning_rate = self.add_variable(
-                shape=(),
-                dtype="float32",
-                aggregation="only_first_replica",
-                name="previous_learning_rate",
-            )
+        self._add_counters("int64")
         self._accumulators = [
             self._add_accumulator(variable) for variable in var_list
         ]
@@ -542,6 +524,29 @@ class GradientAccumulationOptimizer(
             self._accumulators[0].value, tf.distribute.DistributedValues
         )
 
+    def _add_counters(self, dtype: str) -> None:
+        """The window's micro-step and skipped-update counters (and, with
+        `momentum_correction`, the rate of the last update): one value for
+        every replica."""
+        for name in ("pending_steps", "skipped_updates"):
+            setattr(
+                self,
+                f"_{name}",
+                self.add_variable(
+                    shape=(),
+                    dtype=dtype,
+                    aggregation="only_first_replica",
+                    name=name,
+                ),
+            )
+        if self.momentum_correction:
+            self._previous_learning_rate = self.add_variable(
+                shape=(),
+                dtype="float32",
+                aggregation="only_first_replica",
+                name="previous_learning_rate",
+            )
+
     def _build_for_jax(self, var_list: list) -> None:
         """Counters and accumulators on JAX: plain optimizer variables.
 
@@ -550,25 +555,7 @@ class GradientAccumulationOptimizer(
         (replicated under `DataParallel`, sharded like the variable under
         `ModelParallel`). int32 counters: JAX without x64 has no int64.
         """
-        self._pending_steps = self.add_variable(
-            shape=(),
-            dtype="int32",
-            aggregation="only_first_replica",
-            name="pending_steps",
-        )
-        self._skipped_updates = self.add_variable(
-            shape=(),
-            dtype="int32",
-            aggregation="only_first_replica",
-            name="skipped_updates",
-        )
-        if self.momentum_correction:
-            self._previous_learning_rate = self.add_variable(
-                shape=(),
-                dtype="float32",
-                aggregation="only_first_replica",
-                name="previous_learning_rate",
-            )
+        self._add_counters("int32")
         self._accumulators = [
             self.add_variable_from_reference(variable, name="accumulator")
             for variable in var_list
