@@ -99,15 +99,6 @@ def test_worker_info_of_one_process():
     assert not keras_mgpu.distribute.is_multi_worker()
 
 
-def test_a_distribution_is_told_from_a_strategy_like_object():
-    from keras_mgpu.backend.jax.distribution import is_distribution
-
-    devices = keras.distribution.list_devices("cpu")
-    assert is_distribution(keras.distribution.DataParallel(devices=devices))
-    assert not is_distribution(object())
-    assert not is_distribution(None)
-
-
 def _components(tmp_path):
     """Each public component, built as a user builds it."""
     model = keras.Sequential(

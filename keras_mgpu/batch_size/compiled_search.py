@@ -164,14 +164,14 @@ def budget_on_jax(
     smallest over the distribution's devices; a CPU reports none, so
     `memory_budget_mb` is required there.
     """
-    from keras_mgpu.backend.jax import compiled_memory
+    from keras_mgpu.backend.jax import devices as jax_devices
 
     if device is not None:
-        devices = [compiled_memory.find_device(device)]
+        devices = [jax_devices.named_device(device)]
     else:
-        devices = compiled_memory.devices_of(distribution)
-    limits = [compiled_memory.limit_mb(d) for d in devices]
-    named = compiled_memory.device_name(devices[0])
+        devices = jax_devices.distribution_devices(distribution)
+    limits = [jax_devices.limit_mb(d) for d in devices]
+    named = jax_devices.device_name(devices[0])
     if budget_mb is not None:
         return float(budget_mb), "memory_budget_mb", named
     if None in limits:
@@ -182,7 +182,7 @@ def budget_on_jax(
             "for training, in MB) on the JAX backend's CPU."
         )
     index = min(range(len(limits)), key=lambda i: limits[i])
-    named = compiled_memory.device_name(devices[index])
+    named = jax_devices.device_name(devices[index])
     fraction = DEFAULT_MEMORY_FRACTION if fraction is None else fraction
     return (
         fraction * limits[index],

@@ -223,9 +223,9 @@ class GPULoadMonitor(*callback_bases()):
         """Physical GPU positions the strategy (on JAX, the distribution)
         runs on (None: the framework sees no GPU)."""
         if self._backend_name == "jax":
-            from keras_mgpu.backend.jax import memory
+            from keras_mgpu.backend.jax import devices
 
-            return memory.gpu_positions(strategy)
+            return devices.gpu_positions(strategy)
         if not tf.config.get_visible_devices("GPU"):
             return None
         mapping = logical_to_physical_gpu()
@@ -274,9 +274,9 @@ class GPULoadMonitor(*callback_bases()):
         NVML's used memory is XLA's preallocated pool."""
         if self._backend_name != "jax":
             return
-        from keras_mgpu.backend.jax import memory
+        from keras_mgpu.backend.jax import devices, memory
 
-        if not memory.local_gpus():
+        if not devices.local_gpus():
             return
         note = memory.preallocation_note()
         if note:

@@ -16,11 +16,8 @@ from keras_mgpu._validation import (
     update_freq_from_batches,
 )
 from keras_mgpu.backend import require_backend
-from keras_mgpu.backend.jax.memory import (
-    JAXMemoryReader,
-    distribution_devices,
-    preallocation_note,
-)
+from keras_mgpu.backend.jax.devices import distribution_devices
+from keras_mgpu.backend.jax.memory import JAXMemoryReader, preallocation_note
 from keras_mgpu.distribute.strategy import current_strategy
 from keras_mgpu.monitoring.gather import WorkerGathering
 from keras_mgpu.monitoring.host_backend import HostBackend

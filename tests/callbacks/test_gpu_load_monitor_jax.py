@@ -14,7 +14,7 @@ from monitoring._jax_fakes import fake_device
 from monitoring._monitor_fakes import FakeNvml, FakePsutil, gpu
 
 from keras_mgpu.backend import BackendNotSupportedError
-from keras_mgpu.backend.jax import memory
+from keras_mgpu.backend.jax import devices as jax_devices
 from keras_mgpu.callbacks import GPULoadMonitor
 from keras_mgpu.callbacks import gpu_load_monitor as gpu_load_monitor_module
 from keras_mgpu.monitoring import (
@@ -86,9 +86,9 @@ def test_samples_the_distributions_gpus_by_cuda_ordinal(monkeypatch):
     samples those two, named as TensorFlow names them; the preallocation
     note is said once."""
     gpus = [fake_device("gpu", i) for i in range(4)]
-    monkeypatch.setattr(memory, "local_gpus", lambda: gpus)
+    monkeypatch.setattr(jax_devices, "local_gpus", lambda: gpus)
     monkeypatch.setattr(
-        memory,
+        jax_devices,
         "distribution_devices",
         lambda distribution=None, variables=(): [gpus[3], gpus[1]],
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _processes import run_workers
+from callbacks._lr_argument_cases import SCALER_BAD_INPUT
 from callbacks.lr_mw_bodies import (
     RecordingSGD,
     data,
@@ -107,37 +108,7 @@ def test_needs_batch_size():
         )
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        (
-            {"base_batch_size": 0},
-            ValueError,
-            r"Argument `base_batch_size` must be an integer >= 1\. "
-            r"Received: base_batch_size=0",
-        ),
-        (
-            {"base_batch_size": 8, "scaling_rule": "log"},
-            ValueError,
-            r"Argument `scaling_rule` must be one of 'linear', 'sqrt'\. "
-            r"Received: scaling_rule='log'",
-        ),
-        (
-            {
-                "base_batch_size": 8,
-                "batch_size": 8,
-                "per_replica_batch_size": 4,
-            },
-            ValueError,
-            r"Pass at most one of `batch_size` and `per_replica_batch_size`",
-        ),
-        (
-            {"base_batch_size": 8, "per_replica_batch_size": -1},
-            ValueError,
-            r"Received: per_replica_batch_size=-1",
-        ),
-    ],
-)
+@pytest.mark.parametrize("kwargs, error, match", SCALER_BAD_INPUT)
 def test_bad_input(kwargs, error, match):
     with pytest.raises(error, match=match):
         LearningRateScaler(**kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from callbacks._lr_argument_cases import WARMUP_CALLBACK_BAD_INPUT
 from callbacks.lr_mw_bodies import (
     RecordingSGD,
     data,
@@ -261,43 +262,7 @@ def test_warmup_longer_than_training_warns():
     assert inner.recorded()[-1] == pytest.approx(TARGET * 11 / 100)
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        (
-            {"warmup_steps": 0},
-            ValueError,
-            r"Argument `warmup_steps` must be an integer >= 1 or None\. "
-            r"Received: warmup_steps=0",
-        ),
-        (
-            {"warmup_steps": -2},
-            ValueError,
-            r"Received: warmup_steps=-2",
-        ),
-        (
-            {"warmup_epochs": 0},
-            ValueError,
-            r"Argument `warmup_epochs` must be a number > 0\.0 or None",
-        ),
-        (
-            {"warmup_steps": 3, "warmup_epochs": 1},
-            ValueError,
-            r"Pass exactly one of `warmup_steps` and `warmup_epochs`",
-        ),
-        ({}, ValueError, r"Pass exactly one of"),
-        (
-            {"warmup_steps": 3, "ramp": "step"},
-            ValueError,
-            r"Argument `ramp` must be one of .* Received: ramp='step'",
-        ),
-        (
-            {"warmup_steps": 3, "ramp": "exponential"},
-            ValueError,
-            r"`initial_learning_rate` must be > 0 with ramp='exponential'",
-        ),
-    ],
-)
+@pytest.mark.parametrize("kwargs, error, match", WARMUP_CALLBACK_BAD_INPUT)
 def test_bad_input(kwargs, error, match):
     with pytest.raises(error, match=match):
         LearningRateWarmup(**kwargs)

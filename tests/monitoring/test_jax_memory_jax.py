@@ -1,5 +1,6 @@
-"""keras_mgpu.backend.jax.memory: the devices a distribution uses, their
-names, `memory_stats()` read through a fake, the preallocation note."""
+"""keras_mgpu.backend.jax.devices and .memory: the devices a distribution
+uses, their names, `memory_stats()` read through a fake, the preallocation
+note."""
 
 from __future__ import annotations
 
@@ -9,21 +10,22 @@ import numpy as np
 import pytest
 from monitoring._jax_fakes import FakeMemoryStats, fake_device
 
+from keras_mgpu.backend.jax import devices as jax_devices
 from keras_mgpu.backend.jax import memory
 
 
 def test_devices_of_the_distribution_in_force():
     cpus = jax.local_devices()
     # No distribution: JAX's default device, as TF's default strategy.
-    assert memory.distribution_devices() == [cpus[0]]
+    assert jax_devices.distribution_devices() == [cpus[0]]
     devices = keras.distribution.list_devices("cpu")
     data_parallel = keras.distribution.DataParallel(devices=devices[2:])
-    assert memory.distribution_devices(data_parallel) == cpus[2:]
+    assert jax_devices.distribution_devices(data_parallel) == cpus[2:]
     with data_parallel.scope():
-        assert memory.distribution_devices() == cpus[2:]
+        assert jax_devices.distribution_devices() == cpus[2:]
     # A variable on another device adds it, after the mesh's.
     variable = jax.device_put(np.zeros(2), cpus[1])
-    assert memory.distribution_devices(data_parallel, [variable]) == [
+    assert jax_devices.distribution_devices(data_parallel, [variable]) == [
         cpus[2],
         cpus[3],
         cpus[1],
@@ -32,8 +34,8 @@ def test_devices_of_the_distribution_in_force():
     model_parallel = keras.distribution.ModelParallel(
         layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch"
     )
-    assert memory.distribution_devices(model_parallel) == cpus
-    assert [memory.device_name(d) for d in cpus] == [
+    assert jax_devices.distribution_devices(model_parallel) == cpus
+    assert [jax_devices.device_name(d) for d in cpus] == [
         f"CPU:{i}" for i in range(4)
     ]
 
@@ -45,8 +47,8 @@ def test_cpu_reads_nothing_and_no_gpu_positions():
     assert reader.read("CPU:0") is None  # memory_stats() is None on CPU
     assert reader.capacity_mb("CPU:0") is None
     assert reader.reset("CPU:0") is False
-    assert memory.local_gpus() == []
-    assert memory.gpu_positions() is None
+    assert jax_devices.local_gpus() == []
+    assert jax_devices.gpu_positions() is None
 
 
 def test_reader_with_fake_memory_stats():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from schedules._argument_cases import SCALING_BAD_INPUT
 
 import keras_mgpu
 from keras_mgpu._flavour import keras
@@ -34,34 +35,7 @@ def test_global_batch_from_strategy_and_accumulation(strategy):
     assert lr == pytest.approx(0.1 * strategy.num_replicas_in_sync)
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        (
-            {"scaling_rule": "cubic"},
-            ValueError,
-            r"Argument `scaling_rule` must be one of 'linear', 'sqrt'\. "
-            r"Received: scaling_rule='cubic'",
-        ),
-        (
-            {"base_batch_size": 0},
-            ValueError,
-            r"`base_batch_size` must be an integer >= 1\. "
-            r"Received: base_batch_size=0",
-        ),
-        (
-            {"global_batch_size": 8.0},
-            TypeError,
-            r"`global_batch_size` must be an integer >= 1",
-        ),
-        (
-            {"base_learning_rate": -0.1},
-            ValueError,
-            r"`base_learning_rate` must be a number > 0\.0\. "
-            r"Received: base_learning_rate=-0\.1",
-        ),
-    ],
-)
+@pytest.mark.parametrize("kwargs, error, match", SCALING_BAD_INPUT)
 def test_bad_input(kwargs, error, match):
     arguments = {
         "base_learning_rate": 0.1,

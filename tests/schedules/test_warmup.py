@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from schedules._argument_cases import WARMUP_BAD_INPUT
 
 from keras_mgpu._flavour import keras, tf
 from keras_mgpu.schedules import Warmup
@@ -118,54 +119,7 @@ def test_keras_file_round_trip(tmp_path, strategy_name):
     assert float(loaded.optimizer.learning_rate) == pytest.approx(float(lr(4)))
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        (
-            {"warmup_steps": 0},
-            ValueError,
-            r"Argument `warmup_steps` must be an integer >= 1\. "
-            r"Received: warmup_steps=0",
-        ),
-        (
-            {"warmup_steps": -3},
-            ValueError,
-            r"Received: warmup_steps=-3",
-        ),
-        (
-            {"warmup_steps": 2.5},
-            TypeError,
-            r"`warmup_steps` must be an integer >= 1",
-        ),
-        (
-            {"ramp": "quadratic"},
-            ValueError,
-            r"Argument `ramp` must be one of 'linear', 'exponential', "
-            r"'cosine'\. Received: ramp='quadratic'",
-        ),
-        (
-            {"ramp": "exponential"},
-            ValueError,
-            r"`initial_learning_rate` must be > 0 with ramp='exponential'",
-        ),
-        (
-            {"initial_learning_rate": -1.0},
-            ValueError,
-            r"`initial_learning_rate` must be a number >= 0\.0",
-        ),
-        (
-            {"schedule": "0.1"},
-            TypeError,
-            r"Argument `schedule` must be a float or a .*LearningRateSchedule"
-            r".*Received: schedule='0\.1'",
-        ),
-        (
-            {"schedule": -0.5},
-            ValueError,
-            r"Argument `schedule` must be a number >= 0\.0",
-        ),
-    ],
-)
+@pytest.mark.parametrize("kwargs, error, match", WARMUP_BAD_INPUT)
 def test_bad_input(kwargs, error, match):
     arguments = {"schedule": 0.1, "warmup_steps": 4, **kwargs}
     with pytest.raises(error, match=match):

@@ -23,13 +23,6 @@ def current_distribution(distribution: Any = None) -> Any:
     return keras.distribution.distribution()
 
 
-def is_distribution(obj: Any) -> bool:
-    """True for a `keras.distribution` distribution (`DataParallel`,
-    `ModelParallel`, ...). Keras 3.15 does not export their base class, so
-    this looks for what every one of them has: a device mesh and a scope."""
-    return hasattr(obj, "device_mesh") and hasattr(obj, "distribute_dataset")
-
-
 def data_parallel_size(distribution: Any = None) -> int:
     """How many slices of the global batch one step computes in parallel.
 

@@ -1,10 +1,10 @@
-"""Device memory on JAX, and which devices a `keras.distribution` uses.
+"""Device memory on JAX.
 
 What the monitors read on Keras's JAX backend: `jax.Device.memory_stats()`
-(GPU and TPU; None on CPU) through `JAXMemoryReader`, the local devices the
-distribution in force computes on (`distribution_devices`), their CUDA
-positions for NVML (`gpu_positions`), and the note that XLA's GPU
-preallocation changes what the memory figures mean (`preallocation_note`).
+(GPU and TPU; None on CPU) through `JAXMemoryReader`, and the note that
+XLA's GPU preallocation changes what the memory figures mean
+(`preallocation_note`). Which devices a distribution uses, and their names,
+are in `backend/jax/devices.py`.
 
 Only imported where it is used; it imports `jax` inside its functions, so
 importing it never starts JAX (nor TensorFlow).
@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-MB = 1024.0 * 1024.0
+from keras_mgpu.backend.jax.devices import MB, bytes_limit_mb, device_name
 
 #: Environment variables of JAX's GPU allocator, read when JAX starts its
 #: GPU backend (`jaxlib/xla_client.py`, jax 0.10).
@@ -26,100 +26,6 @@ MEM_FRACTION_ENVS = (
     "XLA_CLIENT_MEM_FRACTION",
     "XLA_PYTHON_CLIENT_MEM_FRACTION",
 )
-
-
-def _named_device(name: str) -> Any:
-    """The JAX device of a Keras device name ("gpu:0"), as Keras resolves
-    it (platform and global id)."""
-    import jax
-
-    kind, _, index = str(name).partition(":")
-    for device in jax.devices(kind.lower()):
-        if device.id == int(index or 0):
-            return device
-    raise ValueError(f"No JAX device named {name!r}")  # pragma: no cover
-
-
-def _variable_devices(variables: Iterable[Any]) -> list[Any]:
-    devices = []
-    for variable in variables:
-        value = getattr(variable, "value", variable)
-        sharding = getattr(value, "sharding", None)
-        if sharding is None:
-            continue
-        try:
-            devices.extend(sorted(sharding.device_set, key=lambda d: d.id))
-        except Exception:  # a purged or deleted array: nothing to add
-            continue
-    return devices
-
-
-def distribution_devices(
-    distribution: Any = None, variables: Iterable[Any] = ()
-) -> list[Any]:
-    """This process's JAX devices that `distribution` computes on, then
-    those `variables` live on, in order, without duplicates.
-
-    `distribution`: a `keras.distribution.Distribution`, or None for the
-    one in force. Its mesh's devices (every process's after
-    `keras.distribution.initialize()`; only this process's are kept).
-    Without a distribution, JAX computes on its default device (the first
-    GPU or TPU, else the CPU), as TensorFlow's default strategy does.
-    """
-    import jax
-
-    from keras_mgpu.backend.jax.distribution import current_distribution
-
-    distribution = current_distribution(distribution)
-    devices: list[Any] = []
-    if distribution is not None:
-        devices.extend(
-            _named_device(name)
-            for name in distribution.device_mesh.devices.flatten()
-        )
-    else:
-        devices.append(jax.local_devices()[0])
-    devices.extend(_variable_devices(variables))
-    here = jax.process_index()
-    unique: list[Any] = []
-    for device in devices:
-        if device.process_index == here and device not in unique:
-            unique.append(device)
-    return unique
-
-
-def device_name(device: Any) -> str:
-    """TensorFlow's name of a JAX device: "GPU:1" for CUDA ordinal 1 of
-    this process (`local_hardware_id`), "CPU:0", "TPU:3"."""
-    index = getattr(device, "local_hardware_id", None)
-    if index is None:
-        index = device.id
-    return f"{str(device.platform).upper()}:{int(index)}"
-
-
-def local_gpus() -> list[Any]:
-    """This process's JAX GPU devices ([] when JAX runs without a GPU)."""
-    import jax
-
-    try:
-        return list(jax.local_devices(backend="gpu"))
-    except RuntimeError:  # "Unknown backend gpu": no GPU plugin or device
-        return []
-
-
-def gpu_positions(distribution: Any = None) -> list[int] | None:
-    """CUDA positions of the GPUs `distribution` (or the one in force) runs
-    on, for `NvmlBackend(positions=...)`; None when JAX sees no GPU (NVML
-    then samples every visible GPU, as on TensorFlow without GPUs)."""
-    if not local_gpus():
-        return None
-    return sorted(
-        {
-            int(device_name(d).partition(":")[2])
-            for d in distribution_devices(distribution)
-            if d.platform == "gpu"
-        }
-    )
 
 
 def _memory_stats(device: Any) -> Mapping[str, Any] | None:
@@ -188,9 +94,7 @@ class JAXMemoryReader:
         return False
 
     def capacity_mb(self, name: str) -> float | None:
-        stats = self.stats(name) or {}
-        limit = stats.get("bytes_limit")
-        return float(limit) / MB if limit else None
+        return bytes_limit_mb(self.stats(name))
 
 
 def preallocation_note(
