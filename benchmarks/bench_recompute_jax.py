@@ -26,6 +26,12 @@ Per case, one JSON line:
   JAX starts). None on CPU (`memory_stats()` is None there).
 - `compiled_temp_mib`: on a GPU, XLA's compiled memory analysis of the
   gradient step (on CPU it does not show recompute: not read there).
+- `train_step_temp_mib`, `train_step_remat_copies`: in the peak's
+  subprocess, XLA's compiled memory analysis of the step `fit` runs (Keras's
+  own `train_step`, jitted with its state donated as Keras jits it), and
+  how many instructions of its optimized program XLA's rematerialization
+  pass made (their names end in ".remat"): where plain's measured peak is
+  below its own activations, this says whether XLA recomputed by itself.
 - `step_ms` and `time_ratio`: Keras cases run `train_on_batch`; each step is
   paired with a plain step right before or after it (alternating), and the
   ratio is the median of the pairs' ratios, so load that changes between
@@ -252,13 +258,50 @@ def time_cases(cases: list, args: argparse.Namespace) -> dict:
     return results
 
 
+def train_step_memory(runner: Runner) -> dict:
+    """XLA's reading of the compiled step `fit` runs for a Keras case:
+    temporaries and the instructions its rematerialization pass made."""
+    if runner.case == "raw_checkpoint":
+        return {}
+    model = runner.model
+    state = tuple(
+        [
+            jax.ShapeDtypeStruct(
+                v.value.shape, v.value.dtype, sharding=v.value.sharding
+            )
+            for v in variables
+        ]
+        for variables in (
+            model.trainable_variables,
+            model.non_trainable_variables,
+            model.optimizer.variables,
+            model.metrics_variables,
+        )
+    )
+    batch = (runner.x, runner.y)
+    step = jax.jit(model.train_step, donate_argnums=0)
+    compiled = step.lower(state, batch).compile()
+    analysis = compiled.memory_analysis()
+    return {
+        "train_step_temp_mib": None
+        if analysis is None
+        else analysis.temp_size_in_bytes / MIB,
+        "train_step_remat_copies": compiled.as_text().count(".remat"),
+    }
+
+
 def memory_child(case: str, args: argparse.Namespace) -> dict:
     runner = Runner(case, args)
     for _ in range(3):
         runner.step()
     stats = jax.devices()[0].memory_stats()
     peak = None if stats is None else stats.get("peak_bytes_in_use")
-    return {"case": case, "peak_mib": None if peak is None else peak / MIB}
+    row = {"case": case, "peak_mib": None if peak is None else peak / MIB}
+    try:
+        row.update(train_step_memory(runner))
+    except Exception as error:  # noqa: BLE001 - a reading, not a result
+        row["train_step_error"] = f"{type(error).__name__}: {error}"[:300]
+    return row
 
 
 def peak_of(case: str, argv: list) -> dict:
@@ -274,7 +317,9 @@ def peak_of(case: str, argv: list) -> dict:
     if out.returncode != 0 or not lines:
         tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
         return {"peak_mib": None, "peak_error": tail[:300]}
-    return {"peak_mib": json.loads(lines[-1])["peak_mib"]}
+    reading = json.loads(lines[-1])
+    reading.pop("case", None)
+    return reading
 
 
 def main() -> None:
@@ -289,6 +334,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--gpu", action="store_true", help="24 blocks, 2048 wide, batch 8192"
+    )
+    parser.add_argument(
+        "--train-step-memory",
+        action="store_true",
+        help="also off a GPU: each case's compiled fit step in a subprocess",
     )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -330,7 +380,11 @@ def main() -> None:
             )
         except Exception as error:  # noqa: BLE001 - reported per case
             row["error"] = f"{type(error).__name__}: {error}"[:300]
-        row.update(peak_of(case, argv) if on_gpu else {"peak_mib": None})
+        row.update(
+            peak_of(case, argv)
+            if on_gpu or args.train_step_memory
+            else {"peak_mib": None}
+        )
         row.update(timing.get(case, {}))
         rows[case] = row
         print(json.dumps(row), flush=True)
