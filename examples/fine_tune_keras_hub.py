@@ -1,18 +1,21 @@
-"""Fine-tuning a keras-hub BERT classifier on several devices.
+"""Fine-tuning a keras-hub BERT classifier on several devices, on Keras 3
+with TensorFlow or with JAX.
 
 A `keras_hub.models.BertBackbone` inside a user classifier, trained with
-`model.fit` under `MirroredStrategy` (every GPU, or 2 logical CPU devices
-without one), with:
+`model.fit` on every GPU (or 2 CPU devices without one): under
+`tf.distribute.MirroredStrategy` on TensorFlow, under
+`keras.distribution.DataParallel` on JAX (`KERAS_BACKEND=jax`), with:
 
-- in-place recompute (`keras_mgpu.apply_recompute(..., in_place=True)`):
-  every `TransformerEncoder` layer of the backbone recomputes its
-  activations in the backward pass instead of storing them. The model stays
-  a `BertBackbone` inside your classifier (config, weights and seeds kept),
-  and a seeded run is bit-identical with and without it;
+- in-place recompute (`keras_mgpu.apply_recompute`): every
+  `TransformerEncoder` layer of the backbone recomputes its activations in
+  the backward pass instead of storing them (`tf.recompute_grad` /
+  `jax.checkpoint`, Dropout masks identical). The model stays a
+  `BertBackbone` inside your classifier (config, weights and seeds kept);
 - gradient accumulation (`GradientAccumulationOptimizer`): 4 micro-batches
-  per update;
+  per update, the schedule and `iterations` counted in updates;
 - learning-rate warmup (`LearningRateWarmup`) over the first updates, as
-  BERT fine-tuning recipes do.
+  BERT fine-tuning recipes do;
+- `MemoryMonitor`: device memory in the logs (the host's on CPU).
 
 By default the backbone is built from a configuration with random weights
 (no download): the data below is synthetic, so the run shows the mechanics,
@@ -23,17 +26,13 @@ instead.
 Run:
     python examples/fine_tune_keras_hub.py            # all GPUs (or 2 CPUs)
     python examples/fine_tune_keras_hub.py --quick    # seconds, on CPU
+    KERAS_BACKEND=jax python examples/fine_tune_keras_hub.py --quick
 
-Needs keras-hub: `pip install "keras-mgpu[hub]"`.
+Needs keras-hub: `pip install "keras-mgpu[hub]"` (and `[jax]` for JAX).
 """
 
 import argparse
 import os
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--quick", action="store_true", help="tiny run")
@@ -43,24 +42,37 @@ parser.add_argument(
     "--preset", default=None, help="a keras-hub BERT preset (downloads)"
 )
 args = parser.parse_args()
+BACKEND = os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-# Devices first: logical CPU devices (and GPU memory growth) can only be set
-# before TensorFlow starts its runtime.
-gpus = tf.config.list_physical_devices("GPU")
-if gpus:
-    for gpu in gpus:
-        tf.config.experimental.set_memory_growth(gpu, True)
-else:
-    tf.config.set_logical_device_configuration(
-        tf.config.list_physical_devices("CPU")[0],
-        [tf.config.LogicalDeviceConfiguration()] * args.cpu_devices,
+# Devices first, before the backend starts: CPU devices (used only without a
+# GPU) and GPU memory taken as needed, so MemoryMonitor's figures mean
+# something.
+if BACKEND == "jax":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + f" --xla_force_host_platform_device_count={args.cpu_devices}"
     )
+else:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        for gpu in gpus:
+            tf.config.experimental.set_memory_growth(gpu, True)
+    else:
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0],
+            [tf.config.LogicalDeviceConfiguration()] * args.cpu_devices,
+        )
 
 import keras  # noqa: E402  (Keras 3)
 import keras_hub  # noqa: E402
+import numpy as np  # noqa: E402
 
 import keras_mgpu  # noqa: E402
-from keras_mgpu.callbacks import LearningRateWarmup  # noqa: E402
+from keras_mgpu.callbacks import LearningRateWarmup, MemoryMonitor  # noqa: E402
 
 if args.quick:  # a toy BERT, to see every piece work in seconds
     SIZES = dict(
@@ -71,7 +83,7 @@ if args.quick:  # a toy BERT, to see every piece work in seconds
         intermediate_dim=64,
         max_sequence_length=16,
     )
-    SEQUENCE_LENGTH, SAMPLES, PER_REPLICA_BATCH = 16, 512, 8
+    SEQUENCE_LENGTH, SAMPLES, PER_REPLICA_BATCH = 16, 256, 8
 else:  # BERT-small sized; real fine-tuning starts from a preset
     SIZES = dict(
         vocabulary_size=30522,
@@ -127,23 +139,29 @@ def build_classifier():
     return keras.Model(inputs, outputs, name="classifier")
 
 
-devices = [d.name for d in tf.config.list_logical_devices("GPU")] or [
-    d.name for d in tf.config.list_logical_devices("CPU")
-]
-strategy = tf.distribute.MirroredStrategy(devices)
-replicas = strategy.num_replicas_in_sync
+# Every GPU, else the CPU devices set up above. Both a strategy and a
+# distribution lay variables out when they are created: build (and compile)
+# inside their scope.
+if BACKEND == "jax":
+    devices = keras.distribution.list_devices()
+    scope = keras.distribution.DataParallel(devices=devices)
+else:
+    devices = [d.name for d in tf.config.list_logical_devices("GPU")] or [
+        d.name for d in tf.config.list_logical_devices("CPU")
+    ]
+    scope = tf.distribute.MirroredStrategy(devices)
+replicas = keras_mgpu.num_replicas_in_sync(scope)
+print(f"backend: {keras.backend.backend()}")
 print(f"{replicas} replicas: {devices}")
 
 keras.utils.set_random_seed(0)
 x, y = make_data(SAMPLES)
 x_val, y_val = make_data(SAMPLES // 4, seed=1)
-with strategy.scope():
+with scope.scope():
     model = build_classifier()
     # In place: the encoder layers inside the backbone are switched to
     # recompute; `model` and its BertBackbone stay the same objects.
-    keras_mgpu.apply_recompute(
-        model, keras_hub.layers.TransformerEncoder, in_place=True
-    )
+    keras_mgpu.apply_recompute(model, keras_hub.layers.TransformerEncoder)
     model.compile(
         optimizer=keras_mgpu.GradientAccumulationOptimizer(
             keras.optimizers.AdamW(LEARNING_RATE, weight_decay=0.01),
@@ -170,27 +188,29 @@ print(
 )
 updates_per_epoch = SAMPLES // (PER_REPLICA_BATCH * replicas)
 updates_per_epoch //= ACCUMULATION_STEPS
-history = model.fit(
-    x,
-    y,
-    batch_size=PER_REPLICA_BATCH * replicas,  # one micro-step, all replicas
-    epochs=EPOCHS,
-    # --quick skips validation: one trace less (tracing BERT dominates).
-    validation_data=None if args.quick else (x_val, y_val),
-    verbose=2,
-    callbacks=[
-        # Warm up over 10% of the updates (counted in optimizer updates,
-        # not micro-steps).
-        LearningRateWarmup(
-            warmup_steps=max(1, EPOCHS * updates_per_epoch // 10)
-        ),
-    ],
-)
-print(f"updates: {int(model.optimizer.iterations.numpy())}")
+with scope.scope():
+    history = model.fit(
+        x,
+        y,
+        batch_size=PER_REPLICA_BATCH * replicas,  # one micro-step, all replicas
+        epochs=EPOCHS,
+        # --quick skips validation: one trace less (tracing BERT dominates).
+        validation_data=None if args.quick else (x_val, y_val),
+        verbose=2,
+        callbacks=[
+            # Warm up over 10% of the updates (counted in optimizer
+            # updates, not micro-steps).
+            LearningRateWarmup(
+                warmup_steps=max(1, EPOCHS * updates_per_epoch // 10)
+            ),
+            MemoryMonitor(),
+        ],
+    )
+print(f"updates: {int(keras.ops.convert_to_numpy(model.optimizer.iterations))}")
 print(f"first epoch loss: {history.history['loss'][0]:.4f}")
 print(f"final loss: {history.history['loss'][-1]:.4f}")
+memory_keys = sorted(k for k in history.history if "mem" in k)
+print(f"memory keys: {', '.join(memory_keys)}")
 if "val_accuracy" in history.history:
     accuracy = history.history["val_accuracy"][-1]
     print(f"final validation accuracy: {accuracy:.4f}")
-# The switch is not saved: the .keras file is the plain model, loadable
-# without keras_mgpu; apply_recompute again after loading to train on.
