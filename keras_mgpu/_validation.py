@@ -107,7 +107,13 @@ def check_bool(value: object, argument: str, allow_none: bool = False):
 
 
 def renamed_argument(
-    owner: str, deprecated: dict, old: str, new: str, value: Any, default: Any
+    owner: str,
+    deprecated: dict,
+    old: str,
+    new: str,
+    value: Any,
+    default: Any,
+    stacklevel: int = 3,
 ) -> Any:
     """The value of argument `new`, taking it from `deprecated[old]` (the
     caller's `**deprecated` keywords) with a `FutureWarning` when the old
@@ -123,7 +129,7 @@ def renamed_argument(
         f"{owner}: argument `{old}` is deprecated since keras_mgpu 0.2.0 "
         f"and will be removed in 0.3.0; use `{new}` instead.",
         FutureWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
     return deprecated.pop(old)
 
@@ -155,6 +161,24 @@ def check_update_freq(value: object, argument: str = "update_freq") -> int:
     return int(value)
 
 
-def update_freq_from_batches(batches: object) -> object:
-    """The `update_freq` the pre-0.2 `log_every_n_batches` meant."""
-    return "epoch" if batches == 0 else batches
+def monitor_update_freq(
+    owner: str, update_freq: object, deprecated: dict
+) -> tuple[object, int]:
+    """A monitor's `update_freq` and the batches between its batch-level
+    logs (0: per epoch only), taking the pre-0.2 `log_every_n_batches` (0
+    meant per epoch) from the caller's `**deprecated` keywords with a
+    `FutureWarning`; any other keyword left there is a `TypeError`."""
+    if "log_every_n_batches" in deprecated:
+        batches = deprecated["log_every_n_batches"]
+        deprecated["log_every_n_batches"] = "epoch" if batches == 0 else batches
+    update_freq = renamed_argument(
+        owner,
+        deprecated,
+        "log_every_n_batches",
+        "update_freq",
+        update_freq,
+        "epoch",
+        stacklevel=4,  # the user's line that built the monitor
+    )
+    reject_unknown(owner, deprecated)
+    return update_freq, check_update_freq(update_freq)

@@ -8,10 +8,7 @@ from keras_mgpu._flavour import callback_bases, tf
 from keras_mgpu._validation import (
     check_bool,
     check_number,
-    check_update_freq,
-    reject_unknown,
-    renamed_argument,
-    update_freq_from_batches,
+    monitor_update_freq,
 )
 from keras_mgpu.backend import require_backend
 from keras_mgpu.distribute.strategy import current_strategy
@@ -158,19 +155,9 @@ class GPULoadMonitor(*callback_bases()):
     ) -> None:
         super().__init__()
         self._backend_name = require_backend("GPULoadMonitor")
-        if "log_every_n_batches" in deprecated:
-            deprecated["log_every_n_batches"] = update_freq_from_batches(
-                deprecated["log_every_n_batches"]
-            )
-        update_freq = renamed_argument(
-            "GPULoadMonitor",
-            deprecated,
-            "log_every_n_batches",
-            "update_freq",
-            update_freq,
-            "epoch",
+        update_freq, log_every_n_batches = monitor_update_freq(
+            "GPULoadMonitor", update_freq, deprecated
         )
-        reject_unknown("GPULoadMonitor", deprecated)
         self.interval = check_number(
             interval, "interval", minimum=0.0, exclusive_minimum=True
         )
@@ -187,7 +174,7 @@ class GPULoadMonitor(*callback_bases()):
         self.per_core = check_bool(per_core, "per_core")
         self.update_freq = update_freq
         # Batches between batch-level logs; 0: per epoch only.
-        self.log_every_n_batches = check_update_freq(update_freq)
+        self.log_every_n_batches = log_every_n_batches
         self.worker_prefix = check_bool(
             worker_prefix, "worker_prefix", allow_none=True
         )

@@ -10,10 +10,7 @@ from keras_mgpu._flavour import callback_bases
 from keras_mgpu._validation import (
     check_bool,
     check_number,
-    check_update_freq,
-    reject_unknown,
-    renamed_argument,
-    update_freq_from_batches,
+    monitor_update_freq,
 )
 from keras_mgpu.backend import require_backend
 from keras_mgpu.backend.jax.devices import distribution_devices
@@ -138,19 +135,9 @@ class MemoryMonitor(*callback_bases()):
     ) -> None:
         super().__init__()
         self._backend_name = require_backend("MemoryMonitor")
-        if "log_every_n_batches" in deprecated:
-            deprecated["log_every_n_batches"] = update_freq_from_batches(
-                deprecated["log_every_n_batches"]
-            )
-        update_freq = renamed_argument(
-            "MemoryMonitor",
-            deprecated,
-            "log_every_n_batches",
-            "update_freq",
-            update_freq,
-            "epoch",
+        update_freq, log_every_n_batches = monitor_update_freq(
+            "MemoryMonitor", update_freq, deprecated
         )
-        reject_unknown("MemoryMonitor", deprecated)
         self.warn_fraction = check_number(
             warn_fraction,
             "warn_fraction",
@@ -177,7 +164,7 @@ class MemoryMonitor(*callback_bases()):
         self.host = check_bool(host, "host")
         self.update_freq = update_freq
         # Batches between batch-level logs; 0: per epoch only.
-        self.log_every_n_batches = check_update_freq(update_freq)
+        self.log_every_n_batches = log_every_n_batches
         self.worker_prefix = check_bool(
             worker_prefix, "worker_prefix", allow_none=True
         )

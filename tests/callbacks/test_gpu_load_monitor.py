@@ -257,8 +257,9 @@ def test_argument_errors():
         GPULoadMonitor(per_core="yes")
     with pytest.raises(ValueError, match="`update_freq` must be 'epoch' or"):
         GPULoadMonitor(update_freq=-1)
-    with pytest.warns(FutureWarning, match="use `update_freq` instead"):
+    with pytest.warns(FutureWarning, match="use `update_freq` instead") as w:
         assert GPULoadMonitor(log_every_n_batches=0).update_freq == "epoch"
+    assert w[0].filename == __file__  # the user's line, not ours
     with pytest.raises(TypeError, match="unexpected keyword argument"):
         GPULoadMonitor(backend=object())  # test seams left the signature
     with pytest.raises(TypeError):

@@ -190,8 +190,9 @@ def test_argument_errors():
         MemoryMonitor(update_freq=0)
     with pytest.raises(TypeError, match="Received: update_freq='batch'"):
         MemoryMonitor(update_freq="batch")
-    with pytest.warns(FutureWarning, match="`log_every_n_batches` is dep"):
+    with pytest.warns(FutureWarning, match="`log_every_n_batches` is dep") as w:
         assert MemoryMonitor(log_every_n_batches=3).update_freq == 3
+    assert w[0].filename == __file__  # the user's line, not ours
     with pytest.raises(TypeError, match="unexpected keyword argument 'reader'"):
         MemoryMonitor(reader=object())  # test seams left the signature
     with pytest.raises(TypeError, match="`worker_prefix` must be a bool"):
