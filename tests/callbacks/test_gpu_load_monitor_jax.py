@@ -11,6 +11,7 @@ import keras
 import pytest
 from _training import mlp, regression_data
 from monitoring._jax_fakes import fake_device
+from monitoring._monitor_cases import GPU_FIGURES, GPU_LOAD_MONITOR_BAD_INPUT
 from monitoring._monitor_fakes import FakeNvml, FakePsutil, gpu
 
 from keras_mgpu.backend import BackendNotSupportedError
@@ -25,21 +26,6 @@ from keras_mgpu.monitoring import (
     notices,
 )
 from keras_mgpu.monitoring.sampler import live_sampler_threads
-
-GPU_FIGURES = [
-    "util_mean_pct",
-    "util_max_pct",
-    "mem_used_mean_mb",
-    "mem_used_max_mb",
-    "mem_total_mb",
-    "power_mean_w",
-    "power_max_w",
-    "temp_mean_c",
-    "temp_max_c",
-    "throttle_power_frac",
-    "throttle_thermal_frac",
-    "throttle_hw_frac",
-]
 
 
 @pytest.fixture(autouse=True)
@@ -149,10 +135,7 @@ def test_gather_workers_on_several_jax_processes_is_refused(monkeypatch):
         GPULoadMonitor(gather_workers=True)
 
 
-def test_argument_errors_as_on_tensorflow():
-    with pytest.raises(ValueError, match="Argument `interval` must be"):
-        GPULoadMonitor(interval=0)
-    with pytest.raises(ValueError, match="`stall_utilization` must be"):
-        GPULoadMonitor(stall_utilization=101)
-    with pytest.raises(TypeError, match="Argument `per_core` must be a bool"):
-        GPULoadMonitor(per_core=1)
+@pytest.mark.parametrize("kwargs, error, match", GPU_LOAD_MONITOR_BAD_INPUT)
+def test_bad_input_as_on_tensorflow(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GPULoadMonitor(**kwargs)

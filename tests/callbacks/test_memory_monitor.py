@@ -7,6 +7,7 @@ import math
 
 import pytest
 from _training import mlp, regression_data
+from monitoring._monitor_cases import MEMORY_MONITOR_BAD_INPUT
 from monitoring._monitor_fakes import FakePsutil, FakeTFMemory
 
 from keras_mgpu._flavour import keras
@@ -177,26 +178,16 @@ def test_batch_logging_is_opt_in(fake_gpu_strategy):
     assert seen == [123.0, 123.0]
 
 
-def test_argument_errors():
-    with pytest.raises(ValueError, match="Argument `warn_fraction` must be"):
-        MemoryMonitor(warn_fraction=1.5)
-    with pytest.raises(ValueError, match="Argument `capacity_mb` must be"):
-        MemoryMonitor(capacity_mb=0)
-    with pytest.raises(ValueError, match=r"`capacity_mb\['gpu0'\]` must be"):
-        MemoryMonitor(capacity_mb={"gpu0": -1})
-    with pytest.raises(TypeError, match="Argument `host` must be a bool"):
-        MemoryMonitor(host=1)
-    with pytest.raises(ValueError, match="`update_freq` must be 'epoch' or"):
-        MemoryMonitor(update_freq=0)
-    with pytest.raises(TypeError, match="Received: update_freq='batch'"):
-        MemoryMonitor(update_freq="batch")
+@pytest.mark.parametrize("kwargs, error, match", MEMORY_MONITOR_BAD_INPUT)
+def test_bad_input(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MemoryMonitor(**kwargs)
+
+
+def test_deprecated_name_warns_at_the_users_line():
     with pytest.warns(FutureWarning, match="`log_every_n_batches` is dep") as w:
         assert MemoryMonitor(log_every_n_batches=3).update_freq == 3
     assert w[0].filename == __file__  # the user's line, not ours
-    with pytest.raises(TypeError, match="unexpected keyword argument 'reader'"):
-        MemoryMonitor(reader=object())  # test seams left the signature
-    with pytest.raises(TypeError, match="`worker_prefix` must be a bool"):
-        MemoryMonitor(worker_prefix=1)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

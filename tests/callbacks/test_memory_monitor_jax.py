@@ -11,6 +11,7 @@ import keras
 import pytest
 from _training import mlp, regression_data
 from monitoring._jax_fakes import FakeMemoryStats, fake_device
+from monitoring._monitor_cases import MEMORY_MONITOR_BAD_INPUT
 from monitoring._monitor_fakes import FakePsutil
 
 from keras_mgpu.backend import BackendNotSupportedError
@@ -244,16 +245,7 @@ def test_gather_workers_on_several_jax_processes_is_refused(monkeypatch):
     MemoryMonitor()  # without gathering: each process logs its own
 
 
-def test_argument_errors_as_on_tensorflow():
-    with pytest.raises(ValueError, match="Argument `warn_fraction` must be"):
-        MemoryMonitor(warn_fraction=1.5)
-    with pytest.raises(ValueError, match="Argument `capacity_mb` must be"):
-        MemoryMonitor(capacity_mb=0)
-    with pytest.raises(ValueError, match=r"`capacity_mb\['gpu0'\]` must be"):
-        MemoryMonitor(capacity_mb={"gpu0": -1})
-    with pytest.raises(TypeError, match="Argument `host` must be a bool"):
-        MemoryMonitor(host=1)
-    with pytest.raises(ValueError, match="`update_freq` must be 'epoch' or"):
-        MemoryMonitor(update_freq=0)
-    with pytest.raises(TypeError, match="`gather_workers` must be a bool"):
-        MemoryMonitor(gather_workers="yes")
+@pytest.mark.parametrize("kwargs, error, match", MEMORY_MONITOR_BAD_INPUT)
+def test_bad_input_as_on_tensorflow(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MemoryMonitor(**kwargs)
