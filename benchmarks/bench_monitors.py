@@ -114,8 +114,9 @@ def main() -> None:
 
 
 def hook_costs(model, interval, memory_cls, gpu_cls) -> dict:
-    """What the monitors cost, timed directly: end-to-end ratios on a
-    shared machine carry a few percent of noise, these do not."""
+    """What the monitors' hooks cost, timed directly on this thread (the
+    end-to-end ratios on a shared machine carry its noise; these do not),
+    and one reading of the sampling thread."""
     memory, gpu = memory_cls(), gpu_cls(interval=interval)
     for callback in (memory, gpu):
         callback.set_model(model)
@@ -134,7 +135,6 @@ def hook_costs(model, interval, memory_cls, gpu_cls) -> dict:
         gpu.on_train_end({})
         memory.on_train_end({})
         timings["train_end"].append(time.perf_counter() - start)
-    # One reading of the background thread, on this thread.
     gpu.on_train_begin({})
     sample = gpu._backend.sample if gpu._backend is not None else None
     reading_s = 0.0
@@ -143,19 +143,17 @@ def hook_costs(model, interval, memory_cls, gpu_cls) -> dict:
         for _ in range(200):
             sample()
         reading_s = (time.perf_counter() - start) / 200
+    mode = gpu.mode
     gpu.on_train_end({})
+
+    def ms(name):
+        return round(1000 * statistics.median(timings[name][1:]), 3)
+
     return {
-        "mode": gpu.mode,
-        # Later fits (the first also starts NVML or psutil).
-        "train_begin_ms": round(
-            1000 * statistics.median(timings["train_begin"][1:]), 3
-        ),
-        "epoch_end_ms": round(
-            1000 * statistics.median(timings["epoch_end"]), 3
-        ),
-        "train_end_ms": round(
-            1000 * statistics.median(timings["train_end"]), 3
-        ),
+        "mode": mode,
+        "train_begin_ms": ms("train_begin"),
+        "epoch_end_ms": ms("epoch_end"),
+        "train_end_ms": ms("train_end"),
         "reading_us": round(1e6 * reading_s, 1),
         # Share of one core the sampling thread takes at this interval.
         "sampling_core_pct": round(100 * reading_s / interval, 4),

@@ -54,6 +54,9 @@ def main() -> None:
     import keras
     import numpy as np
 
+    # The hooks' direct timing is the same on both backends.
+    from bench_monitors import hook_costs
+
     from keras_mgpu.callbacks import GPULoadMonitor, MemoryMonitor
 
     warnings.simplefilter("ignore")  # the CPU notes and fallback warn once
@@ -143,54 +146,6 @@ def main() -> None:
         )
 
     print(json.dumps({"bench": "monitors_jax_cost", **costs}))
-
-
-def hook_costs(model, interval, memory_cls, gpu_cls) -> dict:
-    """What the monitors' hooks cost, timed directly on this thread (the
-    end-to-end ratios on a shared machine carry its noise; these do not),
-    and one reading of the sampling thread."""
-    memory, gpu = memory_cls(), gpu_cls(interval=interval)
-    for callback in (memory, gpu):
-        callback.set_model(model)
-    timings: dict = {"train_begin": [], "epoch_end": [], "train_end": []}
-    for _ in range(5):
-        start = time.perf_counter()
-        memory.on_train_begin({})
-        gpu.on_train_begin({})
-        timings["train_begin"].append(time.perf_counter() - start)
-        logs: dict = {"loss": 1.0}
-        start = time.perf_counter()
-        memory.on_epoch_end(0, logs)
-        gpu.on_epoch_end(0, logs)
-        timings["epoch_end"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        gpu.on_train_end({})
-        memory.on_train_end({})
-        timings["train_end"].append(time.perf_counter() - start)
-    gpu.on_train_begin({})
-    sample = gpu._backend.sample if gpu._backend is not None else None
-    reading_s = 0.0
-    if sample is not None:
-        start = time.perf_counter()
-        for _ in range(200):
-            sample()
-        reading_s = (time.perf_counter() - start) / 200
-    mode = gpu.mode
-    gpu.on_train_end({})
-
-    def ms(name):
-        return round(1000 * statistics.median(timings[name][1:]), 3)
-
-    return {
-        "mode": mode,
-        "train_begin_ms": ms("train_begin"),
-        "epoch_end_ms": ms("epoch_end"),
-        "train_end_ms": ms("train_end"),
-        "reading_us": round(1e6 * reading_s, 1),
-        # Share of one core the sampling thread takes at this interval.
-        "sampling_core_pct": round(100 * reading_s / interval, 4),
-        "interval_s": interval,
-    }
 
 
 if __name__ == "__main__":
