@@ -55,10 +55,15 @@ def _model(keras, width: int):
     )
 
 
-def _build(case, strategy, keras, width, accumulation):
+def build(case, strategy, keras, width, accumulation):
+    """The benchmark's model for `case`, built and compiled in the scope of
+    `strategy` (a `tf.distribute` strategy, a `keras.distribution`, or None:
+    the default). Shared with bench_accumulation_jax.py."""
+    import contextlib
+
     from keras_mgpu import GradientAccumulationOptimizer
 
-    with strategy.scope():
+    with strategy.scope() if strategy else contextlib.nullcontext():
         model = _model(keras, width)
         if case == "wrapper":
             optimizer = GradientAccumulationOptimizer(
@@ -102,7 +107,7 @@ def throughput(args) -> list[dict]:
         cases["keras_builtin"] = (micro, args.steps)
     models, data = {}, {}
     for case, (batch, steps) in cases.items():
-        models[case] = _build(case, strategy, keras, args.width, k)
+        models[case] = build(case, strategy, keras, args.width, k)
         data[case] = _dataset(tf, args.width, batch, steps)
         models[case].fit(data[case], verbose=0)  # trace and warm up
     times = {case: [] for case in cases}
@@ -146,7 +151,7 @@ def peak_memory_child(case: str, args) -> dict:
     k = args.accumulation
     batch = args.memory_micro_batch * (k if case == "plain_large" else 1)
     steps = 2 * (1 if case == "plain_large" else k)
-    model = _build(case, strategy, keras, args.width, k)
+    model = build(case, strategy, keras, args.width, k)
     dataset = _dataset(tf, args.width, batch, steps)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     try:  # TensorFlow's allocator peak: tensors only (needs oneDNN on CPU)

@@ -28,6 +28,7 @@ machine as many cores as devices to measure wider models.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -36,46 +37,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _model(keras, width: int):
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [
-            keras.Input((width,)),
-            keras.layers.Dense(2 * width, activation="relu"),
-            keras.layers.Dense(width, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
-
-
-def _build(keras, case: str, distribution, width: int, accumulation: int):
-    from keras_mgpu import GradientAccumulationOptimizer
-
-    scope = distribution.scope() if distribution else _null()
-    with scope:
-        model = _model(keras, width)
-        if case == "wrapper":
-            optimizer = GradientAccumulationOptimizer(
-                keras.optimizers.Adam(1e-4), accumulation
-            )
-        elif case == "keras_builtin":
-            optimizer = keras.optimizers.Adam(
-                1e-4, gradient_accumulation_steps=accumulation
-            )
-        else:
-            optimizer = keras.optimizers.Adam(1e-4)
-        model.compile(
-            optimizer=optimizer,
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-    return model
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
+# The models and optimizers are bench_accumulation.py's, on either backend.
+from bench_accumulation import build  # noqa: E402
 
 
 def throughput(args, distribution_name: str) -> list[dict]:
@@ -96,13 +59,12 @@ def throughput(args, distribution_name: str) -> list[dict]:
     cases = ("plain_micro", "wrapper", "keras_builtin")
     models = {}
     for case in cases:
-        models[case] = _build(
-            keras, case, distribution, width, args.accumulation
+        models[case] = build(
+            case, distribution, keras, width, args.accumulation
         )
 
     def run(case):
-        scope = distribution.scope() if distribution else _null()
-        with scope:
+        with distribution.scope() if distribution else contextlib.nullcontext():
             models[case].fit(
                 x, y, batch_size=args.micro_batch, shuffle=False, verbose=0
             )
