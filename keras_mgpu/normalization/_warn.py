@@ -82,16 +82,48 @@ def _is_internal(filename: str) -> bool:
     return any(part in filename for part in _INTERNAL)
 
 
-def _user_stacklevel() -> int:
-    """The `stacklevel` of the first caller outside Keras, TensorFlow and
-    keras_mgpu (2 when there is none on this thread, e.g. a replica
-    thread)."""
-    frame, level = sys._getframe(2), 2
+def _first_user_frame(frame: Any) -> Any:
     while frame is not None:
         if not _is_internal(frame.f_code.co_filename):
-            return level
-        frame, level = frame.f_back, level + 1
-    return 2
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _user_frame() -> Any:
+    """The first frame outside Keras, TensorFlow, JAX, AutoGraph's
+    generated files and keras_mgpu: on this thread, or, on a thread with
+    none (a replica thread of `MirroredStrategy`, a `merge_call`), on the
+    main thread, which waits in the user's `fit` or loop. None if neither
+    has one."""
+    found = _first_user_frame(sys._getframe(2))
+    if found is not None:
+        return found
+    main = threading.main_thread().ident
+    if main == threading.get_ident():
+        return None
+    return _first_user_frame(sys._current_frames().get(main))
+
+
+def _warn_at_user_line(message: str) -> None:
+    """`warnings.warn(message, BatchNormMicroBatchWarning)` attributed to
+    the user's line (`_user_frame`), with the registry and module that
+    `warnings.warn` would use for that frame; a `stacklevel` cannot name a
+    frame of another thread."""
+    frame = _user_frame()
+    if frame is None:
+        warnings.warn(message, BatchNormMicroBatchWarning, stacklevel=3)
+        return
+    module_globals = frame.f_globals
+    warnings.warn_explicit(
+        message,
+        BatchNormMicroBatchWarning,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=module_globals.get("__name__", "<string>"),
+        registry=module_globals.setdefault("__warningregistry__", {}),
+        module_globals=module_globals,
+    )
 
 
 def warn_if_unremedied(
@@ -126,9 +158,7 @@ def warn_if_unremedied(
         message = _message(model, layers, how)
     except Exception:  # noqa: BLE001 - a warning must never break training
         return False
-    warnings.warn(
-        message, BatchNormMicroBatchWarning, stacklevel=_user_stacklevel()
-    )
+    _warn_at_user_line(message)
     return True
 
 
