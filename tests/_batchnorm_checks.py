@@ -144,29 +144,30 @@ def check_synchronized_window_file(keras, order: str, path: str) -> None:
 def replica_values(variable) -> list:
     """Each replica's copy of a variable made under a `tf.distribute`
     strategy (Keras 3 wraps the distributed variable in `.value`)."""
-    distributed = getattr(variable, "value", variable)
+    distributed = variable
+    if not hasattr(distributed, "values"):  # Keras 3
+        distributed = variable.value
     return [np.array(v) for v in distributed.values]
 
 
 def check_synchronized_window_uneven_split(keras, strategy, order) -> None:
     """Synchronised + window statistics under a 2-replica `strategy`, with
     batches that do not split evenly (29 examples in micro-batches of 8:
-    the last one 5, 3 + 2 per replica), window 4, two epochs: every
-    replica's moving statistics are the large batch's (29 examples per
-    step on one device)."""
+    the last one 5, 3 + 2 per replica), window 4: every replica's moving
+    statistics are the large batch's (29 examples in one step on one
+    device). BatchNormalization comes first, so what each micro-batch
+    brings it is the data whatever the optimizer does: plain SGD (the
+    window counts calls, not updates) keeps the test fast."""
     from keras_mgpu.normalization import (
         synchronize_batchnorm,
         use_window_statistics,
     )
-    from keras_mgpu.optimizers import GradientAccumulationOptimizer
 
     rng = np.random.default_rng(4)
     x = (rng.normal(size=(29, 6)) * 3.0 + 2.0).astype("float32")
     y = rng.normal(size=(29, 1)).astype("float32")
 
     def build():
-        # BatchNormalization first: what each micro-batch brings it is the
-        # data, whatever the optimizer does.
         keras.utils.set_random_seed(7)
         inputs = keras.Input((6,))
         layer = keras.layers.BatchNormalization(momentum=0.9)
@@ -174,7 +175,7 @@ def check_synchronized_window_uneven_split(keras, strategy, order) -> None:
 
     large, large_layer = build()
     large.compile(keras.optimizers.SGD(0.1), "mse")
-    large.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    large.fit(x, y, batch_size=32, shuffle=False, verbose=0)
     expected = [
         np.array(large_layer.moving_mean),
         np.array(large_layer.moving_variance),
@@ -186,13 +187,8 @@ def check_synchronized_window_uneven_split(keras, strategy, order) -> None:
                 synchronize_batchnorm(model)
             else:
                 use_window_statistics(model, window=4)
-        model.compile(
-            GradientAccumulationOptimizer(
-                keras.optimizers.SGD(0.1), accumulation_steps=4
-            ),
-            "mse",
-        )
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     for replica in range(2):
         found = [
             replica_values(layer.moving_mean)[replica],

@@ -36,7 +36,11 @@ class BatchNormMicroBatchWarning(UserWarning):
     made about their statistics.
 
     Each micro-batch is then normalised with its own statistics and the
-    moving statistics move once per micro-batch. Silence it per model by
+    moving statistics move once per micro-batch. Raised in `fit` and in
+    custom training loops (the model is the one the loop holds by name
+    that owns the variables applied), at the user's line: the `fit` call,
+    or the line that applies the gradients (or calls the `tf.function`
+    that does). Silence it per model by
     choosing a remedy in `keras_mgpu.normalization`, or filter it:
     `warnings.filterwarnings("ignore",
     category=keras_mgpu.normalization.BatchNormMicroBatchWarning)`.

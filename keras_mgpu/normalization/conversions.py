@@ -262,6 +262,13 @@ def synchronize_batchnorm(model: Any, *, synchronized: bool = True) -> Any:
     **Compiled models.** The step functions are traced anew at the next
     `fit`/`evaluate`/`predict`; no need to compile again.
 
+    **With window statistics** (`use_window_statistics`): either order,
+    undone in either order; the window then weighs each micro-batch by its
+    global size, so every replica's moving statistics are the global large
+    batch's, even when batches split unevenly across replicas. tf_keras:
+    a switched layer becomes a `WindowSyncBatchNormalization` (registered
+    under `keras_mgpu`), and back.
+
     **On JAX (`keras.distribution`) it is a no-op.** Keras's JAX trainer
     jits the step for the whole global batch: under `DataParallel`, and
     under `ModelParallel` with a batch axis, BatchNormalization's mean and

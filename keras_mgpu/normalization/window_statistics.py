@@ -812,8 +812,20 @@ def use_window_statistics(
     does (Keras 3: variables with aggregation "none", updated per replica;
     tf_keras: on-read, averaged when read across replicas); the
     accumulators are created in the strategy of the moving statistics and
-    are kept per replica in the same way. With `synchronized=True` the
-    micro-batch statistics are global and every replica's window matches.
+    are kept per replica in the same way. With synchronised statistics
+    (`synchronize_batchnorm`, or `synchronized=True`) each micro-batch's
+    statistics are global, and so is its weight in the window (its count
+    is all-reduced with them): every replica's window is the global large
+    batch's, also when a batch does not split evenly across the replicas
+    (tested: 29 examples in micro-batches of 8 on 2 replicas). Keras 3
+    keeps masked moments local even when synchronized; so are their
+    counts then.
+
+    Composes with `synchronize_batchnorm` in either order, and the two are
+    undone in either order; once both are undone the layer is the plain
+    one again. tf_keras: a synchronised layer is a
+    `SyncBatchNormalization`, switched a `WindowSyncBatchNormalization`
+    (registered too), so `.keras` files keep both.
 
     On JAX (`keras.distribution`): the jitted step is the global program,
     so under `DataParallel` (or `ModelParallel` with a batch axis) each
@@ -823,6 +835,9 @@ def use_window_statistics(
     force when this is called. The same math (written with `keras.ops`)
     runs on both backends; with Keras's own
     `gradient_accumulation_steps=K`, pass `window=K` or the optimizer.
+    Keras's `DataParallel` refuses a batch that does not split evenly
+    across the devices (`IndivisibleError` in `fit`, Keras 3.15): choose
+    sizes that divide, or drop the remainder.
 
     Args:
         model: A Keras model or layer (Keras 3 or tf_keras), or a
@@ -898,7 +913,11 @@ def restore_batchnorm_statistics(model: Any) -> Any:
     statistics). A layer loaded as `WindowBatchNormalization` from a
     `.keras` file becomes a plain `BatchNormalization`. Layers not switched
     are left alone, so this is safe to call on any model. Cached train,
-    test and predict functions are dropped.
+    test and predict functions are dropped. Synchronisation
+    (`synchronize_batchnorm`) stays as it is (tf_keras: a
+    `WindowSyncBatchNormalization` becomes a `SyncBatchNormalization`);
+    undone as well, the layer is the plain one it was: class, config,
+    weights and instance attributes.
 
     Under `tf.distribute`: nothing distributed happens; call it outside the
     training step, as `use_window_statistics`.
