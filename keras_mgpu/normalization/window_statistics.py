@@ -955,8 +955,11 @@ def restore_batchnorm_statistics(model: Any) -> Any:
 
 
 # The process's flavour is registered at import, so `.keras` files with
-# switched layers load once keras_mgpu.normalization is imported.
+# switched layers load once keras_mgpu.normalization is imported (tf_keras:
+# synchronised ones too).
 window_batch_normalization_class()
+if FLAVOUR == "tf_keras":
+    _window_class(_tf_keras_sync_batchnorm(FLAVOUR))
 
 __all__ = [
     "STATISTICS",

@@ -217,7 +217,7 @@ def test_custom_loop_warns_once_at_the_users_line(graph):
         step = tf.function(step)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(4):
+        for _ in range(2):
             step()
     found = [
         w for w in caught if issubclass(w.category, BatchNormMicroBatchWarning)
@@ -248,3 +248,36 @@ def test_synchronized_window_with_uneven_replica_split_is_the_large_batch(
     check_synchronized_window_uneven_split(
         keras, mirrored_strategy(2), "sync,window"
     )
+
+
+def test_synchronized_window_file_loads_in_a_fresh_process(tmp_path):
+    # WindowSyncBatchNormalization is registered when keras_mgpu is
+    # imported, not only once a layer was switched in this process.
+    import subprocess
+    import sys
+
+    from keras_mgpu.normalization import use_window_statistics
+
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.BatchNormalization()(inputs))
+    use_window_statistics(synchronize_batchnorm(model), window=2)
+    path = str(tmp_path / "synchronized_window.keras")
+    model.save(path)
+    code = (
+        "import sys, keras_mgpu.normalization, tf_keras; "
+        "layer = tf_keras.models.load_model(sys.argv[1]).layers[-1]; "
+        "print(type(layer).__name__, layer.synchronized, layer.window)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-3:] == [
+        "WindowSyncBatchNormalization",
+        "True",
+        "2",
+    ]

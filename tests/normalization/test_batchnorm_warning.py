@@ -142,7 +142,7 @@ def test_custom_loop_warns_once_at_the_users_line(graph):
         step = tf.function(step)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(4):
+        for _ in range(2):
             step()
     found = [
         w for w in caught if issubclass(w.category, BatchNormMicroBatchWarning)
