@@ -250,6 +250,7 @@ def test_synchronized_window_with_uneven_replica_split_is_the_large_batch(
     )
 
 
+@pytest.mark.slow  # a fresh Python process importing TensorFlow
 def test_synchronized_window_file_loads_in_a_fresh_process(tmp_path):
     # WindowSyncBatchNormalization is registered when keras_mgpu is
     # imported, not only once a layer was switched in this process.
