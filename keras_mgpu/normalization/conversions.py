@@ -31,6 +31,10 @@ from keras_mgpu.normalization._find import (
     pop_saved,
     saved,
 )
+from keras_mgpu.normalization.window_statistics import (
+    base_class,
+    set_base_class,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -170,11 +174,6 @@ def _tf_keras_plain_class() -> type | None:
 
 
 def _set_synchronized(layer: Any, keras: Any) -> None:
-    from keras_mgpu.normalization.window_statistics import (
-        base_class,
-        set_base_class,
-    )
-
     records = saved(layer)
     if "synchronized" not in records:
         record = {
@@ -205,11 +204,6 @@ def _set_synchronized(layer: Any, keras: Any) -> None:
 
 
 def _unset_synchronized(layer: Any, keras: Any) -> None:
-    from keras_mgpu.normalization.window_statistics import (
-        base_class,
-        set_base_class,
-    )
-
     record = pop_saved(layer, "synchronized")
     if record is None:
         # No record (e.g. loaded from a file): the layer's default.
