@@ -4,9 +4,11 @@ for each.
 Shared by every remedy in `keras_mgpu.normalization` and by the components
 that warn when a BatchNormalization model is split into micro-batches
 without a choice made (`GradientAccumulationOptimizer`, `apply_placement`).
-A remedy records itself on the layer instance with `mark_choice`; the mark
-is set with `object.__setattr__`, so neither Keras flavour tracks it and
-`get_config` never sees it.
+A remedy records itself on the layer instance with `mark_choice`, and what
+it changed (to undo it) with `saved`; both are set with
+`object.__setattr__`, so neither Keras flavour tracks them and `get_config`
+never sees them. Undoing every remedy removes both: the layer's `__dict__`
+is the plain layer's again.
 """
 
 from __future__ import annotations
@@ -20,6 +22,15 @@ CHOICE_ATTR = "_keras_mgpu_batchnorm_choice"
 
 # What each remedy records (see the `keras_mgpu.normalization` docstrings).
 CHOICES = ("window", "momentum", "synchronized", "frozen", "accepted")
+
+# What a remedy changed on a layer, so that undoing it puts it back:
+# {remedy: {attribute: original value}} ("synchronized", "frozen",
+# "window"); every record holds the "choice" the layer had before.
+SAVED_ATTR = "_keras_mgpu_batchnorm_saved"
+
+# Instance attribute of a layer switched by `use_window_statistics`: its
+# `statistics` ("window" or "momentum"), None when not switched.
+STATISTICS_ATTR = "_keras_mgpu_statistics"
 
 # Choices that address micro-batches (gradient accumulation, pipeline
 # micro-batches). "synchronized" only addresses replicas.
@@ -91,7 +102,58 @@ def mark_choice(layer: Any, choice: str | None) -> None:
             f"`choice` must be one of {CHOICES} or None. Received: "
             f"choice={choice!r}"
         )
+    if choice is None:
+        layer.__dict__.pop(CHOICE_ATTR, None)
+        return
     object.__setattr__(layer, CHOICE_ATTR, choice)
+
+
+def saved(layer: Any) -> dict:
+    """The records of what remedies changed on `layer` (created empty)."""
+    records = layer.__dict__.get(SAVED_ATTR)
+    if records is None:
+        records = {}
+        object.__setattr__(layer, SAVED_ATTR, records)
+    return records
+
+
+def pop_saved(layer: Any, remedy: str) -> dict | None:
+    """Take the record of `remedy` off `layer` (None when there is none);
+    the records go with the last one."""
+    records = layer.__dict__.get(SAVED_ATTR)
+    if records is None:
+        return None
+    record = records.pop(remedy, None)
+    if not records:
+        layer.__dict__.pop(SAVED_ATTR, None)
+    return record
+
+
+def _in_force(layer: Any, choice: str) -> bool:
+    """Whether the remedy `choice` names still holds on `layer`."""
+    if choice in ("window", "momentum"):
+        return layer.__dict__.get(STATISTICS_ATTR) == choice
+    if choice in ("synchronized", "frozen"):
+        return choice in (layer.__dict__.get(SAVED_ATTR) or {})
+    return True  # "accepted": a mark only
+
+
+def choice_after_undo(layer: Any, recorded: str | None) -> str | None:
+    """The choice of `layer` once a remedy was undone: the one it had
+    before (`recorded`) if that remedy still holds, else a remedy still in
+    force (frozen, window statistics, synchronized: what the remedies
+    would mark), else None. Remedies can be undone in any order."""
+    if recorded is not None and _in_force(layer, recorded):
+        return recorded
+    records = layer.__dict__.get(SAVED_ATTR) or {}
+    if "frozen" in records:
+        return "frozen"
+    statistics = layer.__dict__.get(STATISTICS_ATTR)
+    if statistics is not None:
+        return statistics
+    if "synchronized" in records:
+        return "synchronized"
+    return None
 
 
 def choice_of(layer: Any) -> str | None:

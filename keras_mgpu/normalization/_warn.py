@@ -36,7 +36,11 @@ class BatchNormMicroBatchWarning(UserWarning):
     made about their statistics.
 
     Each micro-batch is then normalised with its own statistics and the
-    moving statistics move once per micro-batch. Silence it per model by
+    moving statistics move once per micro-batch. Raised in `fit` and in
+    custom training loops (the model is the one the loop holds by name
+    that owns the variables applied), at the user's line: the `fit` call,
+    or the line that applies the gradients (or calls the `tf.function`
+    that does). Silence it per model by
     choosing a remedy in `keras_mgpu.normalization`, or filter it:
     `warnings.filterwarnings("ignore",
     category=keras_mgpu.normalization.BatchNormMicroBatchWarning)`.
@@ -61,7 +65,10 @@ def _message(model: Any, layers: list, how: str) -> str:
 
 
 # Frames of these packages are skipped so the warning names the user's line
-# (the `fit` or `apply_placement` call).
+# (the `fit` or `apply_placement` call, or in a custom loop the line that
+# applies the gradients, or calls the `tf.function` that does). AutoGraph
+# runs converted functions (tf_keras's `train_function`, a user's
+# `tf.function` step) from generated files in the temporary folder.
 _INTERNAL = (
     f"{os.sep}keras{os.sep}",
     f"{os.sep}tf_keras{os.sep}",
@@ -69,19 +76,58 @@ _INTERNAL = (
     f"{os.sep}keras_mgpu{os.sep}",
     f"{os.sep}threading.py",
     f"{os.sep}contextlib.py",
+    f"{os.sep}__autograph_generated_file",
+    f"{os.sep}jax{os.sep}",
+    f"{os.sep}jaxlib{os.sep}",
 )
 
 
-def _user_stacklevel() -> int:
-    """The `stacklevel` of the first caller outside Keras, TensorFlow and
-    keras_mgpu (2 when there is none on this thread, e.g. a replica
-    thread)."""
-    frame, level = sys._getframe(2), 2
+def _is_internal(filename: str) -> bool:
+    return any(part in filename for part in _INTERNAL)
+
+
+def _first_user_frame(frame: Any) -> Any:
     while frame is not None:
-        if not any(part in frame.f_code.co_filename for part in _INTERNAL):
-            return level
-        frame, level = frame.f_back, level + 1
-    return 2
+        if not _is_internal(frame.f_code.co_filename):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _user_frame() -> Any:
+    """The first frame outside Keras, TensorFlow, JAX, AutoGraph's
+    generated files and keras_mgpu: on this thread, or, on a thread with
+    none (a replica thread of `MirroredStrategy`, a `merge_call`), on the
+    main thread, which waits in the user's `fit` or loop. None if neither
+    has one."""
+    found = _first_user_frame(sys._getframe(2))
+    if found is not None:
+        return found
+    main = threading.main_thread().ident
+    if main == threading.get_ident():
+        return None
+    return _first_user_frame(sys._current_frames().get(main))
+
+
+def _warn_at_user_line(message: str) -> None:
+    """`warnings.warn(message, BatchNormMicroBatchWarning)` attributed to
+    the user's line (`_user_frame`), with the registry and module that
+    `warnings.warn` would use for that frame; a `stacklevel` cannot name a
+    frame of another thread."""
+    frame = _user_frame()
+    if frame is None:
+        warnings.warn(message, BatchNormMicroBatchWarning, stacklevel=3)
+        return
+    module_globals = frame.f_globals
+    warnings.warn_explicit(
+        message,
+        BatchNormMicroBatchWarning,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=module_globals.get("__name__", "<string>"),
+        registry=module_globals.setdefault("__warningregistry__", {}),
+        module_globals=module_globals,
+    )
 
 
 def warn_if_unremedied(
@@ -116,9 +162,7 @@ def warn_if_unremedied(
         message = _message(model, layers, how)
     except Exception:  # noqa: BLE001 - a warning must never break training
         return False
-    warnings.warn(
-        message, BatchNormMicroBatchWarning, stacklevel=_user_stacklevel()
-    )
+    _warn_at_user_line(message)
     return True
 
 
@@ -177,29 +221,71 @@ _NOT_TRAINING = frozenset(
 )
 
 
+# Returned by a search that met a model building its optimizer without
+# training (loading): no model is trained, look no further.
+_LOADING = object()
+
+
 def _model_in_frames(frame: Any, classes: tuple, variable_ids: set) -> Any:
+    """The model whose method (`train_step`, `fit`, ...) is on the stack
+    from `frame` up and owns `variables`; `_LOADING`, or None."""
     for _ in range(_MAX_FRAMES):
         if frame is None:
             return None
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, classes) and _owns(candidate, variable_ids):
             if frame.f_code.co_name in _NOT_TRAINING:
-                return None
+                return _LOADING
             return candidate
         frame = frame.f_back
     return None
 
 
-def calling_model(variables: list) -> Any:
-    """The Keras model whose `train_step` (or `_symbolic_build`) is on the
-    call stack and owns `variables`, or None.
+def _model_in_names(frame: Any, classes: tuple, variable_ids: set) -> Any:
+    """A custom training loop: the model that a function on the stack
+    holds by name (a local, a closure's variable, or a global of the
+    user's module) and that owns the most of `variables` (then the
+    fewest others: the model trained, not a larger one around it)."""
+    best, best_key, seen = None, None, set()
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        names = [frame.f_locals]
+        if not _is_internal(frame.f_code.co_filename):
+            names.append(frame.f_globals)
+        for namespace in names:
+            for value in list(namespace.values()):
+                if id(value) in seen or not isinstance(value, classes):
+                    continue
+                seen.add(id(value))
+                try:
+                    owned = [
+                        id(v) in variable_ids for v in value.trainable_variables
+                    ]
+                except Exception:  # noqa: BLE001 - e.g. not built yet
+                    continue
+                if not any(owned):
+                    continue
+                key = (sum(owned), -len(owned))
+                if best_key is None or key > best_key:
+                    best, best_key = value, key
+        frame = frame.f_back
+    return best
 
-    Looks at the current thread first, then at the other threads: under
+
+def calling_model(variables: list) -> Any:
+    """The Keras model being trained on `variables`, or None.
+
+    First the model whose `train_step` (or `_symbolic_build`) is on the
+    call stack, on the current thread, then on the other threads: under
     `MirroredStrategy` the replica threads run `train_step`, and a wrapper
     such as `LossScaleOptimizer` may reach the optimizer from threads of
-    its own (`merge_call`, then `call_for_each_replica`). The ownership
-    check keeps a model that trains other variables (another thread,
-    another model) from being taken.
+    its own (`merge_call`, then `call_for_each_replica`). Then, for a
+    custom training loop (no model method on the stack), a model the
+    functions on the stack hold by name. The ownership check keeps a model
+    that trains other variables (another thread, another model) from being
+    taken; a model loading its optimizer (`compile_from_config`) is not
+    trained, and stops the search.
     """
     classes = _model_classes()
     if not classes:
@@ -207,16 +293,17 @@ def calling_model(variables: list) -> Any:
     variable_ids = {id(v) for v in variables}
     if not variable_ids:
         return None
-    found = _model_in_frames(sys._getframe(1), classes, variable_ids)
-    if found is not None:
-        return found
     me = threading.get_ident()
-    for ident, frame in sys._current_frames().items():
-        if ident == me:
-            continue
-        found = _model_in_frames(frame, classes, variable_ids)
-        if found is not None:
-            return found
+    frames = [sys._getframe(1)] + [
+        frame for ident, frame in sys._current_frames().items() if ident != me
+    ]
+    for search in (_model_in_frames, _model_in_names):
+        for frame in frames:
+            found = search(frame, classes, variable_ids)
+            if found is _LOADING:
+                return None
+            if found is not None:
+                return found
     return None
 
 

@@ -24,17 +24,19 @@ from keras_mgpu._validation import check_int
 from keras_mgpu.backend import require_backend
 from keras_mgpu.normalization._find import (
     batchnorm_layers,
+    choice_after_undo,
     choice_of,
     is_batchnorm,
     mark_choice,
+    pop_saved,
+    saved,
+)
+from keras_mgpu.normalization.window_statistics import (
+    base_class,
+    set_base_class,
 )
 
 logger = logging.getLogger(__name__)
-
-# What a remedy changed on a layer, so that `remedy(model, flag=False)`
-# puts it back: {remedy: {attribute: original value}}. Set with
-# `object.__setattr__`, invisible to Keras's tracking and to `get_config`.
-_SAVED_ATTR = "_keras_mgpu_batchnorm_saved"
 
 # Below this many values per group and example, a GroupNormalization
 # output keeps little of its input (2 values normalise to -1 and +1), and
@@ -90,14 +92,6 @@ def _layers_or_warn(model: Any, function: str) -> list:
             stacklevel=3,
         )
     return layers
-
-
-def _saved(layer: Any) -> dict:
-    saved = layer.__dict__.get(_SAVED_ATTR)
-    if saved is None:
-        saved = {}
-        object.__setattr__(layer, _SAVED_ATTR, saved)
-    return saved
 
 
 def _refresh_compiled(model: Any) -> None:
@@ -180,16 +174,16 @@ def _tf_keras_plain_class() -> type | None:
 
 
 def _set_synchronized(layer: Any, keras: Any) -> None:
-    saved = _saved(layer)
-    if "synchronized" not in saved:
+    records = saved(layer)
+    if "synchronized" not in records:
         record = {
             "synchronized": layer.synchronized,
             "choice": choice_of(layer),
         }
         if keras.__name__ == "tf_keras":
             record["fused"] = layer.fused
-            record["class"] = type(layer)
-        saved["synchronized"] = record
+            record["class"] = base_class(layer)
+        records["synchronized"] = record
     layer.synchronized = True
     if keras.__name__ == "tf_keras":
         # tf_keras's fused kernel computes local moments only; the
@@ -199,9 +193,10 @@ def _set_synchronized(layer: Any, keras: Any) -> None:
         # tf_keras 2.21's `BatchNormalization.get_config` leaves out
         # `synchronized`: a saved model would load unsynchronized. Its own
         # `SyncBatchNormalization` (same base, no state of its own) is
-        # saved under its name and loads synchronized, without keras_mgpu.
-        if type(layer) is _tf_keras_plain_class():
-            layer.__class__ = _tf_keras_sync_class()
+        # saved under its name and loads synchronized, without keras_mgpu
+        # (with window statistics: `WindowSyncBatchNormalization`).
+        if base_class(layer) is _tf_keras_plain_class():
+            set_base_class(layer, _tf_keras_sync_class())
     if choice_of(layer) is None:
         # A micro-batch choice made before stays: synchronising addresses
         # replicas only.
@@ -209,23 +204,22 @@ def _set_synchronized(layer: Any, keras: Any) -> None:
 
 
 def _unset_synchronized(layer: Any, keras: Any) -> None:
-    record = _saved(layer).pop("synchronized", None)
+    record = pop_saved(layer, "synchronized")
     if record is None:
         # No record (e.g. loaded from a file): the layer's default.
         layer.synchronized = False
-        if keras.__name__ == "tf_keras" and type(layer) is (
+        if keras.__name__ == "tf_keras" and base_class(layer) is (
             _tf_keras_sync_class()
         ):
-            layer.__class__ = _tf_keras_plain_class()
-        if choice_of(layer) == "synchronized":
-            mark_choice(layer, None)
-        return
-    layer.synchronized = record["synchronized"]
-    if "fused" in record:
-        layer.fused = record["fused"]
-        layer.__class__ = record["class"]
+            set_base_class(layer, _tf_keras_plain_class())
+        record = {}
+    else:
+        layer.synchronized = record["synchronized"]
+        if "fused" in record:
+            layer.fused = record["fused"]
+            set_base_class(layer, record["class"])
     if choice_of(layer) == "synchronized":
-        mark_choice(layer, record["choice"])
+        mark_choice(layer, choice_after_undo(layer, record.get("choice")))
 
 
 def synchronize_batchnorm(model: Any, *, synchronized: bool = True) -> Any:
@@ -261,6 +255,13 @@ def synchronize_batchnorm(model: Any, *, synchronized: bool = True) -> Any:
 
     **Compiled models.** The step functions are traced anew at the next
     `fit`/`evaluate`/`predict`; no need to compile again.
+
+    **With window statistics** (`use_window_statistics`): either order,
+    undone in either order; the window then weighs each micro-batch by its
+    global size, so every replica's moving statistics are the global large
+    batch's, even when batches split unevenly across replicas. tf_keras:
+    a switched layer becomes a `WindowSyncBatchNormalization` (registered
+    under `keras_mgpu`), and back.
 
     **On JAX (`keras.distribution`) it is a no-op.** Keras's JAX trainer
     jits the step for the whole global batch: under `DataParallel`, and
@@ -317,10 +318,16 @@ def _mark_synchronized_only(layers: list, synchronized: bool) -> None:
     jitted step of `keras.distribution` computes BatchNormalization's
     statistics over the global batch already; record the choice only."""
     for layer in layers:
-        if synchronized and choice_of(layer) is None:
-            mark_choice(layer, "synchronized")
-        elif not synchronized and choice_of(layer) == "synchronized":
-            mark_choice(layer, None)
+        if synchronized:
+            saved(layer).setdefault(
+                "synchronized", {"choice": choice_of(layer)}
+            )
+            if choice_of(layer) is None:
+                mark_choice(layer, "synchronized")
+            continue
+        record = pop_saved(layer, "synchronized") or {}
+        if choice_of(layer) == "synchronized":
+            mark_choice(layer, choice_after_undo(layer, record.get("choice")))
     if synchronized and layers:
         logger.info(
             "synchronize_batchnorm: nothing to do on the JAX backend: under "
@@ -392,25 +399,21 @@ def freeze_batchnorm(model: Any, *, frozen: bool = True) -> Any:
     layers = _layers_or_warn(model, "freeze_batchnorm")
     was_trainable = [v for layer in layers for v in layer.trainable_weights]
     for layer in layers:
-        saved = _saved(layer)
         if frozen:
-            if "frozen" not in saved:
-                saved["frozen"] = {
-                    "trainable": layer.trainable,
-                    "choice": choice_of(layer),
-                }
+            saved(layer).setdefault(
+                "frozen",
+                {"trainable": layer.trainable, "choice": choice_of(layer)},
+            )
             layer.trainable = False
             mark_choice(layer, "frozen")
         else:
-            record = saved.pop("frozen", None)
-            if record is None:
-                layer.trainable = True
-                if choice_of(layer) == "frozen":
-                    mark_choice(layer, None)
-            else:
-                layer.trainable = record["trainable"]
-                if choice_of(layer) == "frozen":
-                    mark_choice(layer, record["choice"])
+            # No record (e.g. loaded from a file): trainable.
+            record = pop_saved(layer, "frozen") or {"trainable": True}
+            layer.trainable = record["trainable"]
+            if choice_of(layer) == "frozen":
+                mark_choice(
+                    layer, choice_after_undo(layer, record.get("choice"))
+                )
     if layers:
         _refresh_compiled(model)
     if frozen and not TF_RUNS:

@@ -41,9 +41,13 @@ from keras_mgpu._flavour import (
 from keras_mgpu._validation import check_int
 from keras_mgpu.backend import require_backend
 from keras_mgpu.normalization._find import (
+    STATISTICS_ATTR,
     batchnorm_layers,
+    choice_after_undo,
     choice_of,
     mark_choice,
+    pop_saved,
+    saved,
 )
 
 STATISTICS = ("window", "momentum")
@@ -51,7 +55,7 @@ STATISTICS = ("window", "momentum")
 # Instance attributes of a switched layer (set with object.__setattr__: no
 # flavour tracks them, `get_config` never sees them).
 _WINDOW = "_keras_mgpu_window"
-_STATISTICS = "_keras_mgpu_statistics"
+_STATISTICS = STATISTICS_ATTR
 _USER_MOMENTUM = "_keras_mgpu_user_momentum"
 _STATE = "_keras_mgpu_window_state"
 _ORIGINAL_CLASS = "_keras_mgpu_original_class"
@@ -353,6 +357,24 @@ def _count(layer: Any, inputs: Any, mask: Any, channels: Any) -> Any:
     )
 
 
+def _global_count(layer: Any, mask: Any, n: Any) -> Any:
+    """`n` summed over the replicas of the `tf.distribute` strategy when
+    `layer` synchronises its statistics for this call; `n` otherwise.
+
+    Keras 3 synchronises unmasked moments only (its masked moments are
+    local); tf_keras's `_sync_calculate_mean_and_var` both. On JAX the
+    jitted step is the global program: `n` is the global count already.
+    """
+    if not TF_RUNS or not getattr(layer, "synchronized", False):
+        return n
+    if mask is not None and flavour_of(layer) == "keras3":
+        return n
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return n
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, n)
+
+
 def _bessel(ops: Any, n: Any, inverse: bool = False) -> Any:
     """n / (n - 1) (or its inverse); 1 where n <= 1."""
     safe = ops.maximum(n, 2.0)
@@ -379,6 +401,10 @@ def _advance_window(layer, state, inputs, mask, old_mean, old_var, active):
     batch_var = (new_var - momentum * old_var) / decay
     channels = ops.cast(ops.size(old_mean), "float32")
     n = ops.cast(_count(layer, inputs, mask, channels), dtype)
+    # Synchronised statistics are the global micro-batch's: weigh them by
+    # its size, not by this replica's share (they differ per replica when
+    # a batch does not split evenly).
+    n = _global_count(layer, mask, n)
 
     # tf_keras's fused kernel (4-D and 5-D inputs) moves the variance
     # towards the micro-batch's unbiased variance (measured with TF 2.21 in
@@ -502,12 +528,14 @@ def _plain_batchnorm(flavour: str) -> type:
 @functools.cache
 def _window_class(base: type) -> type:
     """The switched class for `base`. For a flavour's own
-    BatchNormalization it is `WindowBatchNormalization`, registered for
-    serialization under `keras_mgpu`; for a user's subclass it is a
-    subclass of that, unregistered (restore before saving such a model in
-    the `.keras` format)."""
+    BatchNormalization it is `WindowBatchNormalization`, for tf_keras's
+    `SyncBatchNormalization` `WindowSyncBatchNormalization`, both
+    registered for serialization under `keras_mgpu`; for a user's subclass
+    it is a subclass of that, unregistered (restore before saving such a
+    model in the `.keras` format)."""
     flavour = _flavour_of_class(base)
     plain = base is _plain_batchnorm(flavour)
+    own = plain or base is _tf_keras_sync_batchnorm(flavour)
     name = "WindowBatchNormalization" if plain else f"Window{base.__name__}"
     cls = type(
         name,
@@ -521,9 +549,18 @@ def _window_class(base: type) -> type:
             ),
         },
     )
-    if plain:
+    if own:
         register_serializable(cls, flavour)
     return cls
+
+
+def _tf_keras_sync_batchnorm(flavour: str) -> type | None:
+    """tf_keras's `SyncBatchNormalization` (what `synchronize_batchnorm`
+    makes of a tf_keras BatchNormalization); None for Keras 3, where
+    `synchronized` is part of BatchNormalization's config."""
+    if flavour != "tf_keras":
+        return None
+    return keras_of("tf_keras").layers.experimental.SyncBatchNormalization
 
 
 def _flavour_of_class(base: type) -> str:
@@ -643,6 +680,7 @@ def _switch(layer: Any, window: int, statistics: str) -> None:
     object.__setattr__(layer, _USER_MOMENTUM, user_momentum)
     _set_mode(layer, window, statistics)
     _ensure_state(layer)
+    saved(layer)["window"] = {"choice": choice_of(layer)}
     mark_choice(layer, statistics)
     again()
 
@@ -652,18 +690,44 @@ def _restore(layer: Any) -> None:
     state = list(layer.__dict__.pop(_STATE, None) or ())
     if state:
         _untrack(layer, state)
-    original = layer.__dict__.pop(_ORIGINAL_CLASS, None)
-    if original is None:
-        # Made as a WindowBatchNormalization (a loaded `.keras` file).
-        original = type(layer).__mro__[2]
+    original = base_class(layer)
+    layer.__dict__.pop(_ORIGINAL_CLASS, None)
     user_momentum = layer.__dict__.pop(_USER_MOMENTUM, None)
     layer.__class__ = original
     object.__setattr__(layer, "momentum", user_momentum)
     for name in (_WINDOW, _STATISTICS):
         layer.__dict__.pop(name, None)
+    # Made as a WindowBatchNormalization (a loaded `.keras` file): no record.
+    record = pop_saved(layer, "window") or {}
     if choice_of(layer) in STATISTICS:
-        mark_choice(layer, None)
+        mark_choice(layer, choice_after_undo(layer, record.get("choice")))
     again()
+
+
+def base_class(layer: Any) -> type:
+    """The class of `layer` leaving window statistics aside: the class it
+    was switched from (or, for a layer loaded switched, the one its
+    switched class extends); `type(layer)` for a layer not switched."""
+    if not isinstance(layer, _WindowStatisticsMixin):
+        return type(layer)
+    original = layer.__dict__.get(_ORIGINAL_CLASS)
+    if original is not None:
+        return original
+    mro = type(layer).__mro__
+    return mro[mro.index(_WindowStatisticsMixin) + 1]
+
+
+def set_base_class(layer: Any, base: type) -> None:
+    """Give `layer` the class `base` (tf_keras: `SyncBatchNormalization`
+    and back, see `synchronize_batchnorm`), keeping its window statistics
+    when it is switched: the switched class becomes `base`'s. Both share
+    `call` (the mixin's over BatchNormalizationBase's), so an in-place
+    recompute switch stays valid."""
+    if isinstance(layer, _WindowStatisticsMixin):
+        layer.__class__ = _window_class(base)
+        object.__setattr__(layer, _ORIGINAL_CLASS, base)
+    else:
+        layer.__class__ = base
 
 
 def _reset_compiled_functions(model: Any) -> None:
@@ -748,8 +812,20 @@ def use_window_statistics(
     does (Keras 3: variables with aggregation "none", updated per replica;
     tf_keras: on-read, averaged when read across replicas); the
     accumulators are created in the strategy of the moving statistics and
-    are kept per replica in the same way. With `synchronized=True` the
-    micro-batch statistics are global and every replica's window matches.
+    are kept per replica in the same way. With synchronised statistics
+    (`synchronize_batchnorm`, or `synchronized=True`) each micro-batch's
+    statistics are global, and so is its weight in the window (its count
+    is all-reduced with them): every replica's window is the global large
+    batch's, also when a batch does not split evenly across the replicas
+    (tested: 29 examples in micro-batches of 8 on 2 replicas). Keras 3
+    keeps masked moments local even when synchronized; so are their
+    counts then.
+
+    Composes with `synchronize_batchnorm` in either order, and the two are
+    undone in either order; once both are undone the layer is the plain
+    one again. tf_keras: a synchronised layer is a
+    `SyncBatchNormalization`, switched a `WindowSyncBatchNormalization`
+    (registered too), so `.keras` files keep both.
 
     On JAX (`keras.distribution`): the jitted step is the global program,
     so under `DataParallel` (or `ModelParallel` with a batch axis) each
@@ -759,6 +835,9 @@ def use_window_statistics(
     force when this is called. The same math (written with `keras.ops`)
     runs on both backends; with Keras's own
     `gradient_accumulation_steps=K`, pass `window=K` or the optimizer.
+    Keras's `DataParallel` refuses a batch that does not split evenly
+    across the devices (`IndivisibleError` in `fit`, Keras 3.15): choose
+    sizes that divide, or drop the remainder.
 
     Args:
         model: A Keras model or layer (Keras 3 or tf_keras), or a
@@ -834,7 +913,11 @@ def restore_batchnorm_statistics(model: Any) -> Any:
     statistics). A layer loaded as `WindowBatchNormalization` from a
     `.keras` file becomes a plain `BatchNormalization`. Layers not switched
     are left alone, so this is safe to call on any model. Cached train,
-    test and predict functions are dropped.
+    test and predict functions are dropped. Synchronisation
+    (`synchronize_batchnorm`) stays as it is (tf_keras: a
+    `WindowSyncBatchNormalization` becomes a `SyncBatchNormalization`);
+    undone as well, the layer is the plain one it was: class, config,
+    weights and instance attributes.
 
     Under `tf.distribute`: nothing distributed happens; call it outside the
     training step, as `use_window_statistics`.
@@ -872,8 +955,11 @@ def restore_batchnorm_statistics(model: Any) -> Any:
 
 
 # The process's flavour is registered at import, so `.keras` files with
-# switched layers load once keras_mgpu.normalization is imported.
+# switched layers load once keras_mgpu.normalization is imported (tf_keras:
+# synchronised ones too).
 window_batch_normalization_class()
+if FLAVOUR == "tf_keras":
+    _window_class(_tf_keras_sync_batchnorm(FLAVOUR))
 
 __all__ = [
     "STATISTICS",

@@ -2,8 +2,10 @@
 (the Keras 3 tests are tests/normalization/): cross-replica statistics
 under a 2-replica MirroredStrategy, kept by `.keras` files; freezing after
 compile (tf_keras's `fit` would restore the compiled flags); the
-GroupNormalization conversion; the warning, also through mixed
-precision's LossScaleOptimizer under Mirrored."""
+GroupNormalization conversion; synchronisation composed with window
+statistics (every order, `.keras` files, an uneven split across replicas);
+the warning, also through mixed precision's LossScaleOptimizer under
+Mirrored and in custom training loops, at the user's line."""
 
 from __future__ import annotations
 
@@ -11,6 +13,12 @@ import warnings
 
 import numpy as np
 import pytest
+from _batchnorm_checks import (
+    COMPOSITION_ORDERS,
+    check_composition,
+    check_synchronized_window_file,
+    check_synchronized_window_uneven_split,
+)
 
 from keras_mgpu._flavour import keras, tf
 from keras_mgpu.normalization import (
@@ -164,9 +172,12 @@ def _fit_warnings(model, strategy, compiles: int) -> list:
                     "mse",
                 )
             model.fit(x, y, batch_size=8, verbose=0)
-    return [
+    found = [
         w for w in caught if issubclass(w.category, BatchNormMicroBatchWarning)
     ]
+    # The user's line (the `fit` call), not AutoGraph's generated file.
+    assert all(w.filename == __file__ for w in found)
+    return found
 
 
 def test_warns_once_through_loss_scaling_under_mirrored(mirrored_strategy):
@@ -184,3 +195,90 @@ def test_warns_once_through_loss_scaling_under_mirrored(mirrored_strategy):
     assert "has 2 trainable BatchNormalization layers" in str(found[0].message)
     chosen = accept_micro_batch_statistics(_dense_net())
     assert _fit_warnings(chosen, tf.distribute.get_strategy(), 1) == []
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_custom_loop_warns_once_at_the_users_line(graph):
+    model = _dense_net()
+    optimizer = GradientAccumulationOptimizer(
+        keras.optimizers.SGD(0.01), accumulation_steps=2
+    )
+    x, y = X[:, 0, 0, :], Y
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        variables = model.trainable_variables
+        optimizer.apply_gradients(
+            zip(tape.gradient(loss, variables), variables)
+        )
+
+    if graph:
+        step = tf.function(step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            step()
+    found = [
+        w for w in caught if issubclass(w.category, BatchNormMicroBatchWarning)
+    ]
+    assert len(found) == 1
+    assert "has 2 trainable BatchNormalization layers" in str(found[0].message)
+    assert found[0].filename == __file__
+
+
+@pytest.mark.parametrize("order", COMPOSITION_ORDERS)
+def test_synchronize_and_window_compose_and_undo_in_any_order(order):
+    # tf_keras swaps classes for both (SyncBatchNormalization,
+    # WindowBatchNormalization): each keeps the other's.
+    check_composition(keras, order)
+
+
+@pytest.mark.parametrize("order", ["sync,window", "window,sync"])
+def test_synchronized_window_keras_file_resumes_mid_window(order, tmp_path):
+    # Saved as WindowSyncBatchNormalization, registered under keras_mgpu.
+    check_synchronized_window_file(
+        keras, order, str(tmp_path / "synchronized_window.keras")
+    )
+
+
+def test_synchronized_window_with_uneven_replica_split_is_the_large_batch(
+    mirrored_strategy,
+):
+    check_synchronized_window_uneven_split(
+        keras, mirrored_strategy(2), "sync,window"
+    )
+
+
+@pytest.mark.slow  # a fresh Python process importing TensorFlow
+def test_synchronized_window_file_loads_in_a_fresh_process(tmp_path):
+    # WindowSyncBatchNormalization is registered when keras_mgpu is
+    # imported, not only once a layer was switched in this process.
+    import subprocess
+    import sys
+
+    from keras_mgpu.normalization import use_window_statistics
+
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.BatchNormalization()(inputs))
+    use_window_statistics(synchronize_batchnorm(model), window=2)
+    path = str(tmp_path / "synchronized_window.keras")
+    model.save(path)
+    code = (
+        "import sys, keras_mgpu.normalization, tf_keras; "
+        "layer = tf_keras.models.load_model(sys.argv[1]).layers[-1]; "
+        "print(type(layer).__name__, layer.synchronized, layer.window)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-3:] == [
+        "WindowSyncBatchNormalization",
+        "True",
+        "2",
+    ]

@@ -123,9 +123,10 @@ def test_silent_for_one_step_and_without_batchnorm():
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
-def test_custom_loop_without_a_model_on_the_stack_is_silent(graph):
-    # The model cannot be found: no warning, no error (also when AutoGraph
-    # converts the step), and the look-up stops after a few steps.
+def test_custom_loop_warns_once_at_the_users_line(graph):
+    # No model method on the stack: the model is found by the name the
+    # loop holds it under (here a closure's variable), also when AutoGraph
+    # converts the step; the warning names this file, not a generated one.
     model = _model()
     optimizer = GradientAccumulationOptimizer(
         keras.optimizers.SGD(0.01), accumulation_steps=2
@@ -139,10 +140,34 @@ def test_custom_loop_without_a_model_on_the_stack_is_silent(graph):
 
     if graph:
         step = tf.function(step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            step()
+    found = [
+        w for w in caught if issubclass(w.category, BatchNormMicroBatchWarning)
+    ]
+    assert len(found) == 1
+    assert "'bn_net' has 1 trainable" in str(found[0].message)
+    assert found[0].filename == __file__
+    assert optimizer.__dict__["_keras_mgpu_batchnorm_looked"] is True
+
+
+def test_custom_loop_with_no_model_in_reach_is_silent():
+    # Only the model's bound call and its variables are held by name:
+    # nothing to name, so no warning and no error, and the look-up stops
+    # after a few steps.
+    forward = _model().__call__
+    variables = list(forward.__self__.trainable_variables)
+    optimizer = GradientAccumulationOptimizer(
+        keras.optimizers.SGD(0.01), accumulation_steps=2
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error", BatchNormMicroBatchWarning)
         for _ in range(4):
-            step()
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((forward(X, training=True) - Y) ** 2)
+            optimizer.apply(tape.gradient(loss, variables), variables)
     assert optimizer.__dict__["_keras_mgpu_batchnorm_looked"] is True
 
 

@@ -164,3 +164,28 @@ def test_restore_and_bad_optimizer():
     assert len(model.non_trainable_weights) == 2
     with pytest.raises(TypeError, match="gradient_accumulation_steps"):
         use_window_statistics(model, optimizer=keras.optimizers.SGD(0.1))
+
+
+@pytest.mark.keras_limit
+def test_data_parallel_refuses_a_batch_that_does_not_split_evenly():
+    # Keras 3.15 on JAX: the last batch of 29 examples in batches of 8 (5
+    # rows) cannot be sharded over 4 devices, so an uneven split never
+    # reaches the window (on TensorFlow synchronised windows weigh it by
+    # its global size). Fails when Keras shards (or pads) such a batch.
+    distribution = keras.distribution.DataParallel(
+        devices=keras.distribution.list_devices("cpu")
+    )
+    with distribution.scope():
+        model = use_window_statistics(first_bn_model(), window=K)
+        model.compile(
+            keras.optimizers.SGD(0.1, gradient_accumulation_steps=K), "mse"
+        )
+        with pytest.raises(Exception, match="evenly divide") as raised:
+            model.fit(
+                X_RANDOM[:29],
+                Y_RANDOM[:29],
+                batch_size=MICRO,
+                shuffle=False,
+                verbose=0,
+            )
+    assert type(raised.value).__name__ == "IndivisibleError"
