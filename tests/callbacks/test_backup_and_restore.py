@@ -636,7 +636,9 @@ def test_double_checkpoint_always_keeps_an_intact_copy(save_freq, tmp_path):
         loaded = []
 
         class Probe(keras.callbacks.Callback):
-            def on_train_begin(self, logs=None, callback=callback):
+            def on_train_begin(
+                self, logs=None, callback=callback, loaded=loaded
+            ):
                 loaded.append(self.model.get_weights())
                 loaded.append(callback._known)
 
