@@ -399,6 +399,7 @@ _KERAS_TESTS_FAILED_BY_DESIGN = {
 }
 
 
+@pytest.mark.slow
 @_KERAS_TEST_MARKS
 def test_keras_own_test_file_against_ours(monkeypatch):
     """Every test of Keras's backup_and_restore_test.py (in the installed
