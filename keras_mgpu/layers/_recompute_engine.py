@@ -341,12 +341,21 @@ def _recompute_gradients(run, diff_args, output_grads, variables, mapping):
         # Without it the executor may run the chain of input gradients
         # ahead and keep every block's recomputation alive at once (seen
         # under load and with one inter-op thread: a peak above plain's).
-        done = tf.nest.flatten(grads[len(args) :], expand_composites=True)
+        done = [
+            g
+            for g in tf.nest.flatten(grads[len(args) :], expand_composites=True)
+            if g is not None
+        ]
         if done:
             with tf.control_dependencies(done):
-                arg_grads = tf.nest.map_structure(
-                    tf.identity, list(arg_grads), expand_composites=True
-                )
+                arg_grads = [
+                    None
+                    if g is None
+                    else tf.nest.map_structure(
+                        tf.identity, g, expand_composites=True
+                    )
+                    for g in arg_grads
+                ]
     by_ref = {
         v.ref(): g for v, g in zip(watched, grads[len(args) :], strict=True)
     }
