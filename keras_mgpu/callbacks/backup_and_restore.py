@@ -9,6 +9,7 @@ import shutil
 import signal
 import tempfile
 import uuid
+import warnings
 from typing import Any
 
 from keras_mgpu._flavour import _tf_keras_if_installed, object_flavour
@@ -19,6 +20,9 @@ from keras_mgpu.backend import (
 )
 
 _METADATA = "training_metadata.json"
+# With `double_checkpoint`, a second pointer with the same content: a
+# damaged or missing pointer does not lose the backups it names.
+_METADATA_COPY = "training_metadata.copy.json"
 _FORMAT = 2  # our metadata: a pointer with the file's SHA-256
 _KILL_ENV = "KERAS_MGPU_TEST_KILL_AT"  # test-only seam, see `_test_kill`
 
@@ -115,7 +119,15 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             checkpointing).
         double_checkpoint: bool, also keep the previous backup and fall
             back to it when a worker cannot read the latest (every worker
-            then loads the previous). Defaults to False.
+            then loads the previous). Every save keeps, as the previous
+            backup, one whose file is intact at that moment (the one last
+            committed or restored, else the newest intact one), so a
+            damaged file never displaces the last intact copy; the pointer
+            is written twice (`training_metadata.json` and
+            `training_metadata.copy.json`): a damaged or missing pointer
+            falls back to its copy, with a warning. Not available in a
+            tf_keras `fit` (ValueError: tf_keras keeps one checkpoint).
+            Defaults to False.
         delete_checkpoint: bool, delete `backup_dir` when training ends
             (the chief does). Defaults to True.
 
@@ -154,9 +166,11 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             or isinstance(save_freq, bool)
             or save_freq < 1
         ):
+            # Keras's words first (a drop-in keeps them), then ours.
             raise ValueError(
-                "Argument `save_freq` must be 'epoch', an integer >= 1 or "
-                f"False (0). Received: save_freq={save_freq!r}"
+                "Invalid value for argument `save_freq`. Argument "
+                "`save_freq` must be 'epoch', an integer >= 1 or False (0). "
+                f"Received: save_freq={save_freq!r}"
             )
         super().__init__(
             backup_dir,
@@ -180,6 +194,9 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         self._run_id = uuid.uuid4().hex[:12]
         self._kill_counts: dict[str, int] = {}
         self._skip: tuple[int, int] | None = None
+        # The backup this process last committed or restored (the chief's):
+        # with `double_checkpoint`, the first choice for "previous".
+        self._known: dict | None = None
 
     # ------------------------------------------------------------------
     # tf_keras: delegate to its own BackupAndRestore
@@ -193,7 +210,19 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
                 # tf_keras's callback has no `double_checkpoint` (it keeps
                 # TensorFlow checkpoints, written atomically).
                 arguments = dict(self._arguments)
-                arguments.pop("double_checkpoint")
+                if arguments.pop("double_checkpoint"):
+                    # Ignoring it would promise a fallback that is not
+                    # there: tf_keras keeps one checkpoint.
+                    raise ValueError(
+                        "Argument `double_checkpoint` cannot be True in a "
+                        "tf_keras `fit`: tf_keras's BackupAndRestore, which "
+                        "this callback hands a tf_keras model to, keeps one "
+                        "TensorFlow checkpoint (committed atomically, so a "
+                        "kill during a save leaves the previous one) and has "
+                        "no previous backup to fall back to. Pass "
+                        "double_checkpoint=False, or train a Keras 3 model. "
+                        "Received: double_checkpoint=True"
+                    )
                 if arguments["save_freq"] is False:
                     # tf_keras accepts it only with its preemption
                     # checkpointing, which this callback does not expose.
@@ -259,9 +288,15 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         self._uninstall_skipper()
         self._skip = None
         self._saves = 0
+        self._known = None
         self._current_epoch = 0
         self._last_batch_seen = -1
         self._batches_seen_since_last_saving = 0
+        # Keras never clears the epoch a restore set: a model trained
+        # again in this process would start where an earlier backup was,
+        # with nothing restored (`fit` falls back to its `initial_epoch`).
+        if getattr(self._model, "_initial_epoch", None) is not None:
+            self._model._initial_epoch = None
         self._restore()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -363,12 +398,7 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         self._test_kill("weights_partial", path)
         _fsync(path)
         self._test_kill("weights_written")
-        previous = None
-        if self.double_checkpoint:
-            try:
-                previous = self._read_metadata()
-            except Exception:  # an unreadable pointer: keep no previous
-                previous = None
+        previous = self._intact_backup() if self.double_checkpoint else None
         metadata = {
             "format": _FORMAT,
             "epoch": int(epoch),
@@ -380,10 +410,45 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             "previous": None,
         }
         if previous is not None:
+            previous = dict(previous)
             previous.pop("previous", None)  # keep one level only
             metadata["previous"] = previous
         self._write_metadata(metadata)
+        if self.double_checkpoint:
+            self._write_metadata(metadata, _METADATA_COPY)
+        self._known = {k: v for k, v in metadata.items() if k != "previous"}
         self._remove_stale_files(metadata)
+
+    def _intact_backup(self) -> dict | None:
+        """The backup to keep as "previous" at a save: one that is intact
+        now (its file holds the committed bytes). First the one this
+        process last committed or restored (after a restore that fell back
+        from a damaged latest, that is the previous one, never the damaged
+        file); then the newest the pointer or its copy names. Checked at
+        every save (one read of the file), so damage done between saves is
+        seen too. None when no backup is intact."""
+        candidates = [self._known] if self._known else []
+        found = []
+        for reader in (self._read_metadata, self._read_metadata_copy):
+            try:
+                metadata = reader()
+            except Exception:  # an unreadable pointer names nothing
+                continue
+            if metadata:
+                found += self._candidates(metadata)
+        found.sort(
+            key=lambda c: (int(c.get("epoch", 0)), int(c.get("batch", -1))),
+            reverse=True,
+        )
+        candidates += found
+        tried = set()
+        for candidate in candidates:
+            if candidate["weights"] in tried:
+                continue
+            tried.add(candidate["weights"])
+            if self._readable(candidate) is None:
+                return candidate
+        return None
 
     def _remove_stale_files(self, metadata: dict) -> None:
         """Files no committed pointer names: older backups, files a killed
@@ -397,8 +462,8 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             if stale or f.endswith(".tmp"):
                 files.remove(os.path.join(self.backup_dir, f))
 
-    def _write_metadata(self, metadata: dict) -> None:
-        path = os.path.join(self.backup_dir, _METADATA)
+    def _write_metadata(self, metadata: dict, name: str = _METADATA) -> None:
+        path = os.path.join(self.backup_dir, name)
         temporary = f"{path}.{self._run_id}.tmp"
         files = _gfile(self.backup_dir)
         with files.GFile(temporary, "w") as f:
@@ -408,7 +473,7 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         # The commit point: readers see the old backup or the new one.
         files.rename(temporary, path, overwrite=True)
         _fsync(self.backup_dir)
-        self._test_kill("committed")
+        self._test_kill("committed" if name == _METADATA else "copied")
 
     def _delete_backup(self) -> None:
         """The pointer first, then the files it named: a process killed in
@@ -416,18 +481,28 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         files = _gfile(self.backup_dir)
         if not files.exists(self.backup_dir):
             return
-        pointer = os.path.join(self.backup_dir, _METADATA)
-        if files.exists(pointer):
-            files.remove(pointer)
-            _fsync(self.backup_dir)
+        # The copy before the pointer: a kill in between leaves the pointer,
+        # as a kill before the deletion does.
+        for name in (_METADATA_COPY, _METADATA):
+            pointer = os.path.join(self.backup_dir, name)
+            if files.exists(pointer):
+                files.remove(pointer)
+                _fsync(self.backup_dir)
         self._test_kill("pointer_deleted")
         files.rmtree(self.backup_dir)
 
     # ------------------------------------------------------------------
     # Restoring
     # ------------------------------------------------------------------
-    def _read_metadata(self) -> dict | None:
-        path = os.path.join(self.backup_dir, _METADATA)
+    def _read_metadata_copy(self) -> dict | None:
+        """The pointer's copy (ours only, with `double_checkpoint`)."""
+        metadata = self._read_metadata(_METADATA_COPY)
+        if metadata is not None and metadata.get("format") != _FORMAT:
+            return None
+        return metadata
+
+    def _read_metadata(self, name: str = _METADATA) -> dict | None:
+        path = os.path.join(self.backup_dir, name)
         files = _gfile(self.backup_dir)
         if not files.exists(path):
             return None
@@ -482,6 +557,22 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             metadata = self._read_metadata()
         except Exception as exc:  # every worker must hear of it
             error = f"{type(exc).__name__}: {exc}"
+        if self.double_checkpoint and (error or metadata is None):
+            # A damaged or missing pointer: its copy names the same
+            # backups (every worker reads the same files, decides alike).
+            try:
+                copy = self._read_metadata_copy()
+            except Exception:
+                copy = None
+            if copy is not None:
+                warnings.warn(
+                    "BackupAndRestore: the backup's pointer "
+                    f"{os.path.join(self.backup_dir, _METADATA)!r} is "
+                    + (f"unreadable ({error})" if error else "missing")
+                    + f"; restoring from its copy {_METADATA_COPY!r}.",
+                    stacklevel=2,
+                )
+                metadata, error = copy, None
         identity = _sha256_words(
             json.dumps(metadata, sort_keys=True) if metadata else ""
         )
@@ -584,6 +675,7 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
                 "changed while they read it, or the model differs between "
                 "workers. No worker starts training."
             )
+        self._known = {k: v for k, v in chosen.items() if k != "previous"}
         self._resume_at(chosen)
 
     def _readable(self, candidate: dict) -> str | None:

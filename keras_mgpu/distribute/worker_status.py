@@ -135,69 +135,112 @@ class WorkerStatus:
 
     # ------------------------------------------------------------------
     def key(self, rank: int) -> str:
+        """The folder of a worker's status keys (one per slot)."""
         return f"{_KEY_PREFIX}/{self.run}/{rank}"
 
+    def slot_key(self, rank: int, slot: int) -> str:
+        return f"{self.key(rank)}/{slot}"
+
     def publish(self, status: dict) -> None:
-        """Replace this worker's status (the store does not overwrite).
-        Raises when the store does not answer within `kv_timeout`."""
+        """Replace this worker's status. Raises when the store does not
+        answer within `kv_timeout`.
+
+        The store does not overwrite a key, so a status is written as a
+        delete and a set; done on one key, a worker killed in between
+        would leave no status, which reads as "finished the run". Two
+        slots are written in turn instead, each status numbered: the slot
+        not being written holds the previous status, and readers take the
+        newer of the two (the first publication fills both)."""
         from tensorflow.python.eager import context
 
         ctx = context.context()
-        key = self.key(self.rank)
-        value = json.dumps({**status, "name": self.name})
+        self._version = getattr(self, "_version", 0) + 1
+        version = self._version
+        value = json.dumps({**status, "name": self.name, "version": version})
+        slots = (0, 1) if version == 1 else (version % 2,)
+        keys = [self.slot_key(self.rank, slot) for slot in slots]
 
         def write():
-            try:
-                ctx.delete_config_key_value(key)
-            except Exception:  # first publication: nothing to delete
-                pass
-            ctx.set_config_key_value(key, value)
+            for key in keys:
+                if version > 1:
+                    try:
+                        ctx.delete_config_key_value(key)
+                    except Exception:  # not set: nothing to delete
+                        pass
+                ctx.set_config_key_value(key, value)
 
         self._start("write", write).result(timeout=self.kv_timeout)
 
     def remove(self) -> None:
-        """Delete this worker's status (the run ended normally)."""
+        """Delete this worker's status (the run ended normally): the
+        folder of its slots (the store deletes a folder's keys at once),
+        then each slot in case it does not."""
         from tensorflow.python.eager import context
 
         ctx = context.context()
+        keys = [self.key(self.rank)] + [
+            self.slot_key(self.rank, slot) for slot in (0, 1)
+        ]
+
+        def delete():
+            for key in keys:
+                try:
+                    ctx.delete_config_key_value(key)
+                except Exception:  # gone already
+                    pass
+
         try:
-            self._start(
-                "delete", ctx.delete_config_key_value, self.key(self.rank)
-            ).result(timeout=self.kv_timeout)
-        except Exception:  # gone already, or the store is: nothing to do
+            self._start("delete", delete).result(timeout=self.kv_timeout)
+        except Exception:  # the store is gone: nothing to do
             pass
 
     def read_peers(self) -> dict[int, tuple[dict | None, str | None]]:
         """Every peer's `(status, error)`, read in parallel: `(None, None)`
-        for a peer without status, `(None, error)` when the store failed."""
+        for a peer without status, `(None, error)` when the store failed.
+        Of a peer's two slots the newer status is taken."""
         from tensorflow.python.eager import context
 
         ctx = context.context()
         timeout_ms = max(int(self.read_timeout * 1000), 1)
-        futures: dict[int, Any] = {}
-        out: dict[int, tuple[dict | None, str | None]] = {}
+        futures: dict[tuple[int, int], Any] = {}
+        answers: dict[int, list[tuple[dict | None, str | None]]] = {
+            rank: [] for rank in self.peers
+        }
         for rank in self.peers:
-            try:
-                futures[rank] = self._start(
-                    f"read {rank}",
-                    ctx.get_config_key_value,
-                    self.key(rank),
-                    timeout_ms,
-                )
-            except TimeoutError as exc:
-                out[rank] = (None, _read_error(exc))
+            for slot in (0, 1):
+                try:
+                    futures[rank, slot] = self._start(
+                        f"read {rank}/{slot}",
+                        ctx.get_config_key_value,
+                        self.slot_key(rank, slot),
+                        timeout_ms,
+                    )
+                except TimeoutError as exc:
+                    answers[rank].append((None, _read_error(exc)))
         deadline = time.monotonic() + self.kv_timeout
-        for rank, future in futures.items():
+        for (rank, _), future in futures.items():
             try:
                 text = future.result(max(deadline - time.monotonic(), 0.01))
             except Exception as exc:
-                out[rank] = (None, _read_error(exc))
+                answers[rank].append((None, _read_error(exc)))
                 continue
             try:
-                out[rank] = (json.loads(text), None)
+                answers[rank].append((json.loads(text), None))
             except ValueError:
-                out[rank] = (None, None)
-        return out
+                answers[rank].append((None, None))
+        return {rank: _newest(found) for rank, found in answers.items()}
+
+
+def _newest(
+    answers: list[tuple[dict | None, str | None]],
+) -> tuple[dict | None, str | None]:
+    """A peer's status from its slots' answers: the newest status found;
+    else the store's error, if any; else no status."""
+    statuses = [status for status, _ in answers if status is not None]
+    if statuses:
+        return max(statuses, key=lambda s: int(s.get("version", 0))), None
+    errors = [error for _, error in answers if error is not None]
+    return None, (errors[0] if errors else None)
 
 
 def _read_error(exc: BaseException) -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -385,26 +386,52 @@ _KERAS_TEST_MARKS = pytest.mark.filterwarnings(
 )
 
 
+# Keras's tests that ours fails by design, and why.
+_KERAS_TESTS_FAILED_BY_DESIGN = {
+    # Ours resumes after the saved batch (15 batches trained, as an
+    # uninterrupted run); Keras trains the resumed epoch's first batches
+    # again (17). See test_keras_step_case_resumes_without_training...
+    "test_best_case_step",
+    # It reads Keras's private file names (`_weights_path`,
+    # `_prev_weights_path`, ...): ours writes uniquely named files and a
+    # pointer with their SHA-256 (the commit protocol).
+    "test_backup_corrupted",
+}
+
+
+@pytest.mark.slow
 @_KERAS_TEST_MARKS
-@pytest.mark.parametrize(
-    "case",
-    [
-        "test_best_case_epoch",
-        "test_model_deleted_case_epoch",
-        "test_backup_dir_empty_error",
-    ],
-)
-def test_keras_own_tests_pass_against_ours(case, monkeypatch):
-    """Keras's BackupAndRestore tests, run on ours (those that do not read
-    Keras's file names, or Keras's re-training of a resumed epoch)."""
+def test_keras_own_test_file_against_ours(monkeypatch):
+    """Every test of Keras's backup_and_restore_test.py (in the installed
+    wheel) run with ours swapped in: all pass but the by-design list (and
+    a listed one that starts passing fails this test too)."""
     import unittest
 
     from keras.src.callbacks import backup_and_restore_test as oracle
 
     monkeypatch.setattr(oracle.callbacks, "BackupAndRestore", BackupAndRestore)
+    suite = unittest.defaultTestLoader.loadTestsFromTestCase(
+        oracle.BackupAndRestoreCallbackTest
+    )
     result = unittest.TestResult()
-    oracle.BackupAndRestoreCallbackTest(case).run(result)
-    assert result.wasSuccessful(), result.errors + result.failures
+    suite.run(result)
+    assert result.testsRun >= 7
+    failed = {
+        test.id().rsplit(".", 1)[-1]: text
+        for test, text in result.failures + result.errors
+    }
+    assert set(failed) == _KERAS_TESTS_FAILED_BY_DESIGN, failed
+
+
+def test_bad_save_freq_keeps_keras_words(tmp_path):
+    """A drop-in: Keras's "Invalid value" first, then ours."""
+    with pytest.raises(
+        ValueError,
+        match=r"^Invalid value for argument `save_freq`\. Argument "
+        r"`save_freq` must be 'epoch', an integer >= 1 or False \(0\)\. "
+        r"Received: save_freq='batch'$",
+    ):
+        BackupAndRestore(str(tmp_path), save_freq="batch")
 
 
 @_KERAS_TEST_MARKS
@@ -433,3 +460,216 @@ def test_keras_step_case_resumes_without_training_batches_twice(tmp_path):
     )
     assert callback._current_epoch == 5 and history.epoch[-1] == 4
     assert int(model.layers[0].counter.value) == 5 * 3
+
+
+# ----------------------------------------------------------------------
+# double_checkpoint keeps an intact copy whatever is damaged or killed
+# ----------------------------------------------------------------------
+class _Killed(BaseException):
+    """A process killed at a point of the save (the seam's SIGKILL)."""
+
+
+_KILL_POINTS = (
+    "weights_partial",
+    "weights_written",
+    "metadata_written",
+    "committed",
+    "copied",
+)
+_DAMAGE_MODES = ("truncated", "garbage", "missing")
+_DAMAGE_TARGETS = ("latest", "previous", "pointer", "copy")
+
+
+def _damage(path: str, mode: str) -> None:
+    if mode == "missing":
+        os.remove(path)
+        return
+    size = os.path.getsize(path)
+    with open(path, "r+b" if mode == "truncated" else "wb") as f:
+        if mode == "truncated":
+            f.truncate(size // 2)
+        else:
+            f.write(os.urandom(max(size, 16)))
+
+
+def _sha256(path: str) -> str | None:
+    import hashlib
+
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _intact(backup: str, entry: dict | None) -> bool:
+    return bool(entry) and _sha256(
+        os.path.join(backup, entry["weights"])
+    ) == entry.get("sha256")
+
+
+class _Adversary:
+    """Hooks one BackupAndRestore: after each commit it checks that the
+    latest and the previous backup are intact, then may damage one file
+    (the latest or previous weights, the pointer or its copy) and stop
+    the run, or it kills the run at a point of a save."""
+
+    def __init__(self, rng, backup, history, reference):
+        self.rng, self.backup = rng, backup
+        self.history = history  # every commit of the scenario, in order
+        self.reference = reference
+
+    def attach(self, callback, kill):
+        commit = callback._remove_stale_files
+        counts: dict = {}
+
+        def after_commit(metadata):
+            commit(metadata)
+            if self.reference is not None:
+                key = (metadata["epoch"], metadata["batch"])
+                self.reference[key] = callback.model.get_weights()
+                return
+            if len(self.history) > 1:
+                # The property: both copies are intact after every save.
+                assert _intact(self.backup, metadata), metadata
+                assert _intact(self.backup, metadata["previous"]), metadata
+            if self.rng.random() < 0.3 and len(self.history) > 1:
+                target = self.rng.choice(_DAMAGE_TARGETS)
+                entry = {"latest": metadata, "previous": metadata["previous"]}
+                name = {
+                    "pointer": "training_metadata.json",
+                    "copy": "training_metadata.copy.json",
+                }.get(target) or entry[target]["weights"]
+                _damage(
+                    os.path.join(self.backup, name),
+                    self.rng.choice(_DAMAGE_MODES),
+                )
+                raise _Killed("stopped after damaging " + target)
+
+        def test_kill(point, path=None):
+            if point == "committed":  # the pointer names the new backup
+                pointer = os.path.join(
+                    callback.backup_dir, "training_metadata.json"
+                )
+                with open(pointer) as f:
+                    self.history.append(json.load(f))
+            counts[point] = counts.get(point, 0) + 1
+            if kill != (point, counts[point]):
+                return
+            if path is not None:  # a torn file, as the seam leaves
+                with open(path, "r+b") as f:
+                    f.truncate(os.path.getsize(path) // 2)
+            raise _Killed(point)
+
+        callback._remove_stale_files = after_commit
+        callback._test_kill = test_kill
+
+
+def _restored(backup: str, history: list) -> dict | None:
+    """What a restart must load: the last commit if intact, else its
+    previous (which must then be intact: one of the two always is)."""
+    if not history:
+        return None
+    last = history[-1]
+    if _intact(backup, last):
+        return last
+    assert _intact(backup, last["previous"]), (
+        "no intact backup left",
+        last,
+    )
+    return last["previous"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:BackupAndRestore. the backup's pointer")
+@pytest.mark.parametrize("save_freq", ["epoch", 2])
+def test_double_checkpoint_always_keeps_an_intact_copy(save_freq, tmp_path):
+    """A property loop (seeded): runs killed at every point of a save, or
+    stopped after damaging one file (truncated, garbage or missing: the
+    latest or previous weights, the pointer, its copy) between two saves.
+    After every save both copies are intact; every restart loads the last
+    commit or, when that file is damaged, its previous, with exactly the
+    weights that backup held; the last run ends like an uninterrupted one.
+    (Before: a save after a fallback named the damaged file "previous"
+    and deleted the intact one; a damaged pointer lost every backup.)"""
+    import random
+
+    x, y = regression_data(24)  # 3 steps an epoch
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    initial = model.get_weights()
+
+    def fit(callback, epochs=6):
+        return model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            callbacks=[callback],
+        )
+
+    reference: dict = {}
+    callback = BackupAndRestore(
+        str(tmp_path / "reference"), save_freq, double_checkpoint=True
+    )
+    _Adversary(None, None, [], reference).attach(callback, None)
+    fit(callback)
+    final = model.get_weights()
+
+    rng = random.Random(31)
+    backup = str(tmp_path / "backup")
+    history: list = []
+    events = {"killed": 0, "damaged": 0, "fell back": 0, "completed": 0}
+    for _ in range(9):
+        model.set_weights(initial)  # a fresh process's model
+        model.optimizer.iterations.assign(0)
+        expected = _restored(backup, history)
+        if expected is not None and expected is not history[-1]:
+            events["fell back"] += 1
+        kill = None
+        if rng.random() < 0.5:
+            kill = (rng.choice(_KILL_POINTS), rng.randint(1, 3))
+        callback = BackupAndRestore(
+            backup, save_freq, double_checkpoint=True, delete_checkpoint=False
+        )
+        _Adversary(rng, backup, history, None).attach(callback, kill)
+        loaded = []
+
+        class Probe(keras.callbacks.Callback):
+            def on_train_begin(self, logs=None, loaded=loaded):
+                loaded.append(self.model.get_weights())
+
+        try:
+            model.fit(
+                x,
+                y,
+                batch_size=8,
+                epochs=6,
+                shuffle=False,
+                verbose=0,
+                callbacks=[callback, Probe()],
+            )
+            outcome = "completed"
+        except _Killed as stop:
+            outcome = "damaged" if "damaging" in str(stop) else "killed"
+        events[outcome] += 1
+        # What the restart restored: the expected backup, exactly.
+        if expected is None:
+            for a, b in zip(loaded[0], initial, strict=True):
+                np.testing.assert_array_equal(a, b)
+        else:
+            key = (expected["epoch"], expected["batch"])
+            for a, b in zip(loaded[0], reference[key], strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        if outcome == "completed":  # the next scenario starts afresh
+            shutil.rmtree(backup)
+            history.clear()
+    assert all(events.values()), events
+    # The scenario visited damage and kills, and a last run completes.
+    model.set_weights(initial)
+    model.optimizer.iterations.assign(0)
+    fit(BackupAndRestore(backup, save_freq, double_checkpoint=True))
+    for a, b in zip(model.get_weights(), final):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert not os.path.exists(backup)

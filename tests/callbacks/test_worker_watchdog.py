@@ -315,3 +315,84 @@ def test_straggler_monitor_logs_nothing_outside_multi_worker():
 def test_straggler_monitor_bad_warn_ratio(warn_ratio):
     with pytest.raises((ValueError, TypeError), match="warn_ratio"):
         StragglerMonitor(warn_ratio=warn_ratio)
+
+
+class _RecordingStore:
+    """The coordination service's key-value calls, in memory: the store
+    does not overwrite a key (as TensorFlow's), deleting a folder deletes
+    its keys, and after every change a peer reads the writer's status
+    (the sequence of what a reader can ever see, with no timing)."""
+
+    def __init__(self, die_at_change: int | None = None) -> None:
+        self.values: dict[str, str] = {}
+        self.changes = 0
+        self.die_at_change = die_at_change
+        self.seen: list = []
+        self.reader = None
+
+    def _changed(self) -> None:
+        self.changes += 1
+        if self.reader is not None:
+            self.seen.append(self.reader.read_peers()[0])
+        if self.changes == self.die_at_change:
+            raise SystemExit("killed")  # the writer dies here
+
+    def set_config_key_value(self, key, value):
+        if key in self.values:
+            raise tf.errors.AlreadyExistsError(None, None, key)
+        self.values[key] = value
+        self._changed()
+
+    def delete_config_key_value(self, key):
+        gone = [k for k in self.values if k == key or k.startswith(key + "/")]
+        if not gone:
+            raise tf.errors.NotFoundError(None, None, key)
+        for k in gone:
+            del self.values[k]
+        self._changed()
+
+    def get_config_key_value(self, key, timeout_in_ms=0):
+        if key not in self.values:
+            raise tf.errors.NotFoundError(None, None, key)
+        return self.values[key]
+
+
+@pytest.mark.parametrize("die_at_change", [None, 3, 4, 5, 6, 7])
+def test_a_reader_never_sees_a_publishing_worker_as_finished(
+    die_at_change, monkeypatch
+):
+    """Between two publications, and after the writer dies at any change
+    of the store, a peer reads the writer's latest status, never "no
+    status" (which the watchdog reads as "finished the run": a killed
+    worker was taken for a finished one and peers waited the timeout)."""
+    from tensorflow.python.eager import context
+
+    store = _RecordingStore(die_at_change)
+    monkeypatch.setattr(context, "context", lambda: store)
+    names = ["worker:0 (h:1)", "worker:1 (h:2)"]
+    writer = worker_status.WorkerStatus(0, names, "run0")
+    store.reader = worker_status.WorkerStatus(1, names, "run0")
+    published = 0
+    for seq in range(1, 6):
+        try:
+            writer.publish({"seq": seq})
+        except SystemExit:
+            break
+        published = seq
+    assert store.seen, "nothing was read"
+    first = next(i for i, (s, _) in enumerate(store.seen) if s is not None)
+    seqs = []
+    for status, error in store.seen[first:]:
+        assert error is None
+        assert status is not None, store.seen  # never "finished"
+        seqs.append(status["seq"])
+    assert seqs == sorted(seqs)  # never an older status after a newer
+    # After the last change the peer reads the last complete publication
+    # (or the one being written, if its slot was set before the death).
+    status, _ = store.reader.read_peers()[0]
+    assert status["seq"] in (published, published + 1)
+    if die_at_change is None:
+        assert status["seq"] == 5
+        writer.remove()
+        assert store.reader.read_peers()[0] == (None, None)
+        assert store.values == {}

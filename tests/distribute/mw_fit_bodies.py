@@ -146,12 +146,16 @@ def fit_scenarios(task_index: int) -> dict:
     return results
 
 
-def _straggler_run(strategy, task_index: int) -> dict:
-    """Worker 1 sleeps 1 s before each of 4 steps per epoch.
+STRAGGLER_SLEEP = 2.0
 
-    A full second, not less: the sleep must outlast worker 0's own work
-    per step even when the test machine is loaded (a 300 ms sleep was
-    hidden by a loaded worker 0's 330 ms steps once)."""
+
+def _straggler_run(strategy, task_index: int) -> dict:
+    """Worker 1 sleeps STRAGGLER_SLEEP s before each of 2 steps per epoch.
+
+    The sleep is outside every collective, so it is a lower bound of
+    worker 1's busy time per step whatever the load; it must also outlast
+    worker 0's own work per step for worker 1 to be the slowest (a loaded
+    worker 0 took 330 ms a step once; 2 s leaves a margin of 1.6 s)."""
     import time
 
     import keras
@@ -161,9 +165,9 @@ def _straggler_run(strategy, task_index: int) -> dict:
     class Sleep(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
             if task_index == 1:
-                time.sleep(1.0)
+                time.sleep(STRAGGLER_SLEEP)
 
-    x, y = _data(128)
+    x, y = _data(64)
     with strategy.scope():
         model = _model()
         model.compile(optimizer="sgd", loss="mse")

@@ -31,8 +31,10 @@ def test_survivor_fails_in_bounded_time_naming_the_dead_worker(killed):
     dead, survivor = killed["first"][1], killed["first"][0]
     assert dead is None  # SIGKILLed
     assert_names_the_killed_worker(survivor["error"])
-    # Detected through stale heartbeats, well before the step timeout.
-    assert survivor["failed_after"] < bodies.WATCHDOG_TIMEOUT + 2
+    # Bounded: whichever detector wins, within the watchdog's timeout and
+    # the margin of tests/distribute/test_watchdog_faults.py (a heartbeat,
+    # a read, a loaded host), not a race between detectors.
+    assert survivor["failed_after"] < bodies.WATCHDOG_TIMEOUT + 5
 
 
 def test_only_the_chief_backup_is_kept(killed):

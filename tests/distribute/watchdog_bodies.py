@@ -132,13 +132,15 @@ def _key_present(run: str, rank: int) -> bool:
     """Whether this worker's status of `run` is still in the store."""
     from tensorflow.python.eager import context
 
-    try:
-        context.context().get_config_key_value(
-            f"keras_mgpu/worker_status/{run}/{rank}", 200
-        )
-    except Exception:  # DeadlineExceeded: no such key
-        return False
-    return True
+    for slot in (0, 1):  # WorkerStatus writes two slots in turn
+        try:
+            context.context().get_config_key_value(
+                f"keras_mgpu/worker_status/{run}/{rank}/{slot}", 200
+            )
+        except Exception:  # DeadlineExceeded: no such key
+            continue
+        return True
+    return False
 
 
 def late_start_then_predict_stall(position: int) -> dict:
