@@ -49,7 +49,7 @@ DEFAULT_MEMORY_FRACTION = 0.9
 # half the budget (issue 31). See docs/guides/batch-size.md.
 MIN_SAFETY_MARGIN = 0.05
 MAX_SAFETY_MARGIN = 0.5
-SPREAD_FACTOR = 1.0
+SPREAD_FACTOR = 0.5
 VARIABLE_SHARE = 0.1
 # An explicit `safety_margin` is a fraction in [0, SAFETY_MARGIN_LIMIT].
 SAFETY_MARGIN_LIMIT = 0.5

@@ -115,6 +115,46 @@ def test_the_answer_fits_over_a_longer_run(fake_allocator):
     }
 
 
+def test_an_explicit_safety_margin(fake_allocator):
+    model = _compiled(tf.distribute.get_strategy())
+    result = find_batch_size(
+        model, (X, Y), memory_budget_mb=100.0, safety_margin=0.3
+    )
+    assert result.safety_margin == 0.3
+    assert result.search_budget_mb == pytest.approx(70.0)
+    assert result.batch_size == 120  # 10 + 0.5 b <= 70
+    assert result.measured_peak_mb <= 70.0
+    assert "less a 30% margin" in result.explain()
+    none = find_batch_size(
+        model, (X, Y), memory_budget_mb=100.0, safety_margin=0
+    )
+    assert none.batch_size == 180 and none.safety_margin == 0
+
+
+def test_the_default_margin_follows_the_confirmation():
+    from keras_mgpu.batch_size.finder import (
+        MAX_SAFETY_MARGIN,
+        SPREAD_FACTOR,
+        VARIABLE_SHARE,
+        default_margin_mb,
+    )
+    from keras_mgpu.batch_size.search import Measurement
+
+    def margin(peak, spread, fixed=20.0, budget=100.0):
+        run = Measurement(100, peak, 0.1, confirmation=True, spread=spread)
+        return default_margin_mb(run, fixed, budget)
+
+    # No spread, a small batch-dependent part: the least margin.
+    assert margin(30.0, 0.0) == pytest.approx(SAFETY_MARGIN * 100)
+    # The step spread the confirmation measured, times the factor.
+    assert margin(80.0, 9.0) == pytest.approx(SPREAD_FACTOR * 9.0)
+    # A share of the batch-dependent part (peak less the fixed part).
+    assert margin(90.0, 1.0, fixed=0.0) == pytest.approx(VARIABLE_SHARE * 90)
+    assert margin(90.0, None, fixed=0.0) == pytest.approx(VARIABLE_SHARE * 90)
+    # Never more than the cap.
+    assert margin(95.0, 90.0) == pytest.approx(MAX_SAFETY_MARGIN * 100)
+
+
 def test_out_of_memory_in_a_step_backs_off(fake_allocator):
     # The budget allows more (160 with a 10% margin), but the device runs
     # out above 60 (as a GPU does when fragmentation leaves less than the
@@ -327,6 +367,23 @@ class _NoConfig(keras.Model):
             r"`max_batch_size` must be >= `multiple_of` \(8\)",
         ),
         ({"max_trials": 2}, ValueError, "Received: max_trials=2"),
+        (
+            {"safety_margin": 0.6},
+            ValueError,
+            r"Argument `safety_margin` must be a number >= 0\.0 and <= 0\.5 "
+            r"or None\. Received: safety_margin=0\.6",
+        ),
+        (
+            {"safety_margin": -0.1},
+            ValueError,
+            r"Received: safety_margin=-0\.1",
+        ),
+        (
+            {"safety_margin": "auto"},
+            TypeError,
+            r"`safety_margin` must be a number .* Received: "
+            r"safety_margin='auto' \(of type str\)",
+        ),
         (
             {"device": "GPU:7"},
             ValueError,
