@@ -30,24 +30,28 @@ DEFAULT_MEMORY_FRACTION = 0.9
 # probe measured. The peak of one batch size varies from step to step on
 # CPU with oneDNN (TensorFlow's BFC allocator hands a request a whole free
 # chunk unless it is at least twice the request, so the bytes counted
-# depend on the order in which threads freed buffers): what varies are the
-# step's batch-sized buffers, not the weights and optimizer state. So by
-# default (`safety_margin=None`) the margin is derived from the answer's
-# confirmation (12 steps, `memory_probe.CONFIRM_STEPS`): `SPREAD_FACTOR`
-# times how far its highest step stood above its median step (a longer
-# run, or a fresh process, draws more such high steps), and at least
-# `VARIABLE_SHARE` of the batch-dependent part of its peak (its peak less
-# the fitted line's fixed part): in a fresh process, the steps of a small
-# MLP peaked up to ~25% of that part above the probe's figure (a higher
-# typical step, ~9%, and a rare higher one, ~11%), more than 12 steps in
-# the probe's process show. Never less than `MIN_SAFETY_MARGIN` of the
-# budget, nor more than `MAX_SAFETY_MARGIN`. The search itself probes
-# against the budget less `MIN_SAFETY_MARGIN`; a confirmation that calls
-# for more holds the search to the lower budget and steps the answer down.
-# The former fixed 20% of the whole budget kept the answer at 0.65 of the
-# largest batch that fits in a fresh process where the fixed memory is
-# half the budget (issue 31). See docs/guides/batch-size.md.
-MIN_SAFETY_MARGIN = 0.05
+# depend on the order in which threads freed buffers), and the longer the
+# run, the higher its highest step (200 steps of `fit` peaked 4% above
+# their first 30). What varies are mostly the step's batch-sized buffers,
+# not the weights and optimizer state, so a margin of the whole budget
+# (the former fixed 20%) costs most where the fixed part is large: it kept
+# the answer at 0.65 of the largest batch that fits in a fresh process on
+# the wide MLP of issue 19, and at 0.3 on a model whose fixed part is 70%
+# of the budget (issue 31). By default (`safety_margin=None`) the margin
+# is derived from the answer's confirmation (12 steps,
+# `memory_probe.CONFIRM_STEPS`): the largest of `SPREAD_FACTOR` times how
+# far its highest step stood above its median one (a longer run draws
+# more such steps), `VARIABLE_SHARE` of the batch-dependent part of its
+# peak (the peak less the fitted line's fixed part) and
+# `MIN_SAFETY_MARGIN` of the budget; at most `MAX_SAFETY_MARGIN`. The
+# search probes against the budget less `MIN_SAFETY_MARGIN`; a
+# confirmation that calls for more holds the search to the lower budget
+# and steps the answer down. Measured (2-core VM, oneDNN, loaded): the
+# probe's own process reads ~2-5 MB above a fresh process at the same
+# batch (its history of larger probes), which the spread partly reflects;
+# a small MLP's fresh steps went up to 3 MB above the probe's figure
+# (batch 1900, one step in 12). See docs/guides/batch-size.md.
+MIN_SAFETY_MARGIN = 0.03
 MAX_SAFETY_MARGIN = 0.5
 SPREAD_FACTOR = 0.5
 VARIABLE_SHARE = 0.1
@@ -245,14 +249,16 @@ def find_batch_size(
     less a safety margin, which covers how much higher a training run's
     step peaks go than the probe saw; so must the fitted line's `peak_mb`
     at the answer. The margin is `safety_margin` (a fraction of the
-    budget), or by default derived from the confirmation: twice how far
-    its highest step peaked above its median step (`SPREAD_FACTOR`), and
-    at least 30% of the batch-dependent part of its peak (its peak less
-    the fitted line's fixed part, `VARIABLE_SHARE`): what varies from step
-    to step are batch-sized buffers, not weights and optimizer state. With
-    it the answer's steps stay within the budget in a fresh process while
-    reaching at least 0.7 of the largest batch that fits there (tested on
-    CPU, where the fixed part is ~70% of the budget). On CPU, TensorFlow
+    budget), or by default derived from the confirmation: the largest of
+    half how far its highest step peaked above its median step
+    (`SPREAD_FACTOR`), 10% of the batch-dependent part of its peak (its
+    peak less the fitted line's fixed part, `VARIABLE_SHARE`) and 3% of
+    the budget (`MIN_SAFETY_MARGIN`): what varies from step to step are
+    mostly batch-sized buffers, not weights and optimizer state. Tested on
+    CPU with a model whose fixed part is ~70% of the budget: the answer's
+    steps stay within the budget in a fresh process, and the answer is at
+    least 0.7 of the largest batch that fits there. Pass a larger
+    `safety_margin` for long runs on a busy allocator. On CPU, TensorFlow
     keeps
     allocator statistics only with `TF_ENABLE_ONEDNN_OPTS=1` set before it
     starts, and they are process-wide.
