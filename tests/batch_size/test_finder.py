@@ -147,12 +147,12 @@ def test_the_default_margin_follows_the_confirmation():
     # No spread, a small batch-dependent part: the least margin.
     assert margin(30.0, 0.0) == pytest.approx(SAFETY_MARGIN * 100)
     # The step spread the confirmation measured, times the factor.
-    assert margin(80.0, 9.0) == pytest.approx(SPREAD_FACTOR * 9.0)
+    assert margin(40.0, 12.0) == pytest.approx(SPREAD_FACTOR * 12.0)
     # A share of the batch-dependent part (peak less the fixed part).
     assert margin(90.0, 1.0, fixed=0.0) == pytest.approx(VARIABLE_SHARE * 90)
     assert margin(90.0, None, fixed=0.0) == pytest.approx(VARIABLE_SHARE * 90)
     # Never more than the cap.
-    assert margin(95.0, 90.0) == pytest.approx(MAX_SAFETY_MARGIN * 100)
+    assert margin(99.0, 150.0) == pytest.approx(MAX_SAFETY_MARGIN * 100)
 
 
 def test_out_of_memory_in_a_step_backs_off(fake_allocator):
