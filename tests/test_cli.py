@@ -345,9 +345,64 @@ def test_demo_prints_progress_table_and_paths(demo_run):
         "time                  ",
     ):
         assert row in out, out
+    # Issue 31: on CPU only the process's peak RSS, labelled as such.
+    assert "peak resident set size of this process" in out, out
+    assert "TensorFlow allocator" not in out, out
     assert f"Report: {output / 'report.png'}" in out
     # TensorFlow's C++ notices went to the log file, not the terminal.
     assert (output / "tensorflow.log").exists()
+
+
+def test_cpu_peak_memory_is_the_process_peak_rss_not_the_allocator():
+    # Issue 31: TensorFlow's CPU allocator does not see oneDNN's buffers
+    # (a run holding 812 MB read 2.0 MB there): the summary's CPU figure
+    # is the process's peak resident set size, and says so.
+    import resource
+
+    from keras_mgpu import demo
+
+    logs = {
+        "mem/host_tf_peak_mb": [1.5, 2.0],
+        "mem/host_tf_current_mb": [1.0, 1.0],
+        "mem/host_rss_mb": [700.0, 812.0],
+    }
+    low = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rows = demo._peak_memory(logs, "CPU", ["CPU:0", "CPU:1"])
+    high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    assert [r[0] for r in rows] == ["host process"]
+    ((_, peak, what),) = rows
+    assert low <= peak <= high  # this process's high-water mark
+    assert what.startswith("peak resident set size of this process")
+    summary = {
+        "devices": ["CPU:0", "CPU:1"],
+        "replicas": 2,
+        "device_kind": "CPU",
+        "per_replica_batch_size": 32,
+        "accumulation_steps": 1,
+        "global_batch_size": 64,
+        "accumulation": False,
+        "scaling": False,
+        "learning_rate": 1e-3,
+        "base_learning_rate": 1e-3,
+        "base_batch_size": 32,
+        "warmup_epochs": 0,
+        "recompute": False,
+        "updates": 4,
+        "epochs": 1,
+        "final_accuracy": 0.5,
+        "test_images": 360,
+        "final_train_accuracy": 0.6,
+        "train_seconds": 1.0,
+        "peak_memory": [
+            {"device": d, "peak_mb": p, "what": w} for d, p, w in rows
+        ],
+    }
+    try:
+        text = demo.format_summary(summary)
+    except KeyError as missing:  # the table's other rows need more keys
+        pytest.fail(f"summary needs {missing}")
+    assert f"host process: {peak:,.1f} MB (peak resident set size" in text
+    assert "2.0 MB" not in text and "allocator" not in text
 
 
 def test_demo_files_and_report_from_its_csv(demo_run, tmp_path):

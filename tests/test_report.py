@@ -110,7 +110,8 @@ def test_report_from_csv_plots_known_columns(run_csv, tmp_path, monkeypatch):
             "accuracy",
             "val_accuracy",
             "learning_rate",
-            "mem/host_rss_mb",
+            # Issue 31: what the figure measures, in its legend.
+            "mem/host_rss_mb (process RSS at epoch end)",
             "cpu/util_mean_pct",
             "cpu/util_spread_pct",
         ]
@@ -194,3 +195,19 @@ def test_missing_matplotlib_names_the_extra(run_csv, tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake_import)
     with pytest.raises(ImportError, match=r'pip install "keras-mgpu\[plot\]"'):
         plot_training_report(run_csv, tmp_path / "x.png")
+
+
+def test_memory_legends_say_what_they_measure():
+    # Issue 31: the demo's report showed TensorFlow's CPU allocator figure
+    # (2.0 MB for a process holding 812 MB) as if it were the memory.
+    from keras_mgpu.report import legend_label
+
+    assert legend_label("mem/host_tf_peak_mb") == (
+        "mem/host_tf_peak_mb (TensorFlow's CPU allocator only, not "
+        "oneDNN's buffers)"
+    )
+    assert legend_label("mem/w1_host_rss_mb").endswith(
+        "(process RSS at epoch end)"
+    )
+    assert legend_label("mem/gpu0_peak_mb").endswith("(device allocator peak)")
+    assert legend_label("loss") == "loss"

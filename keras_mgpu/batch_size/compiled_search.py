@@ -8,8 +8,10 @@ costs ~1-2 s on a loaded CPU, where TensorFlow's search runs steps): the
 smallest batch, one 64 times larger, the line's prediction for the budget,
 then the prediction of the line through the bracket until it is one
 resolution step (~3%, `search.resolution`) wide. No margin for
-step-to-step spread is kept (`safety_margin` 0; `memory_fraction` leaves
-the headroom). The answer is then run in a short `fit` of the copy.
+step-to-step spread is kept by default (`safety_margin` 0;
+`memory_fraction` leaves the headroom); an explicit `safety_margin` lowers
+the budget the compiled need must fit. The answer is then run in a short
+`fit` of the copy.
 """
 
 from __future__ import annotations
@@ -205,8 +207,11 @@ def probe_compiled(
     max_trials: int,
     verbose: int,
     accumulate: bool,
+    safety_margin: float | None = None,
 ) -> Any:
-    """`finder.probe_batch_size` on the JAX backend (arguments checked)."""
+    """`finder.probe_batch_size` on the JAX backend (arguments checked).
+    `safety_margin` None keeps none: the compiled need does not vary from
+    step to step."""
     from keras_mgpu.backend.jax import compiled_memory
     from keras_mgpu.backend.jax.distribution import data_parallel_size
     from keras_mgpu.batch_size.finder import MB, BatchSizeResult, _explained
@@ -218,6 +223,8 @@ def probe_compiled(
     budget_mb, source, named = budget_on_jax(
         distribution, device, memory_fraction, memory_budget_mb
     )
+    margin = safety_margin or 0.0
+    search_budget = budget_mb * (1 - margin)
     start = time.perf_counter()
     memory = compiled_memory.StepMemory(
         blueprint, samples, distribution, replicas
@@ -230,14 +237,14 @@ def probe_compiled(
 
         try:
             outcome = search_compiled(
-                measure, budget_mb, max_batch_size, multiple_of, max_trials
+                measure, search_budget, max_batch_size, multiple_of, max_trials
             )
         except BudgetTooSmall as exc:
             raise _explained(
-                exc, memory_fraction, memory_budget_mb, source, margin=0.0
+                exc, memory_fraction, memory_budget_mb, source, margin=margin
             ) from None
         best, upper, limited_by, seconds = _confirmed(
-            memory, outcome, multiple_of, budget_mb
+            memory, outcome, multiple_of, search_budget
         )
     finally:
         memory.close()
@@ -260,7 +267,7 @@ def probe_compiled(
         worker_batch_sizes=(best.batch_size,),
         search_seconds=time.perf_counter() - start,
         model_name=blueprint.name,
-        safety_margin=0.0,
+        safety_margin=margin,
         measured_by="compiled",
     )
     if verbose:

@@ -10,7 +10,11 @@ from typing import Any
 from keras_mgpu._flavour import flavour_of, keras_of, tf
 from keras_mgpu._validation import check_choice, check_int, check_number
 from keras_mgpu.backend import require_backend
-from keras_mgpu.batch_size.finder import BatchSizeResult, probe_batch_size
+from keras_mgpu.batch_size.finder import (
+    BatchSizeResult,
+    check_safety_margin,
+    probe_batch_size,
+)
 from keras_mgpu.batch_size.plan import DEFAULT_MIN_FILL, BatchPlan, plan_batch
 from keras_mgpu.batch_size.search import DEFAULT_MAX_TRIALS
 from keras_mgpu.distribute import current_strategy, num_replicas_in_sync
@@ -80,6 +84,7 @@ def configure_batch(
     multiple_of: int = 1,
     min_fill: float = DEFAULT_MIN_FILL,
     strategy: tf.distribute.Strategy | None = None,
+    safety_margin: float | None = None,
     verbose: int = 0,
 ) -> BatchSetup:
     """Reach `global_batch_size` with the largest micro-batch that fits:
@@ -121,6 +126,8 @@ def configure_batch(
             memory.
         min_fill: as in `plan_batch`.
         strategy: defaults to the model's.
+        safety_margin: as in `find_batch_size` (None: derived from what
+            the answer's confirmation measures).
         verbose: int, 0 (default, as Keras) prints nothing; 1 prints
             `explanation` (on the chief).
 
@@ -153,6 +160,7 @@ def configure_batch(
     check_choice(scaling_rule, "scaling_rule", SCALING_RULES)
     check_int(max_batch_size, "max_batch_size", minimum=1, allow_none=True)
     check_number(min_fill, "min_fill", minimum=0.0, maximum=1.0)
+    check_safety_margin(safety_margin)
     verbose = check_int(verbose, "verbose", minimum=0)
     strategy = current_strategy(
         strategy or getattr(model, "distribute_strategy", None)
@@ -174,6 +182,7 @@ def configure_batch(
         max_trials=DEFAULT_MAX_TRIALS,
         verbose=0,
         accumulate=True,
+        safety_margin=safety_margin,
     )
     plan = plan_batch(
         global_batch_size,

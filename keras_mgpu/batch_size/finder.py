@@ -25,23 +25,38 @@ from keras_mgpu.distribute import current_strategy, worker_info
 from keras_mgpu.distribute.collectives import gather_rows
 
 DEFAULT_MEMORY_FRACTION = 0.9
-# The search keeps each probe step's peak, and the answer's confirmation
-# run (`memory_probe.CONFIRM_STEPS`), this fraction below the budget: a
-# training run's step peaks go above what the probe measured. The peak of
-# one batch size varies from step to step by ~15% on CPU with oneDNN
-# (TensorFlow's BFC allocator hands a request a whole free chunk unless it
-# is at least twice the request, so the bytes counted depend on the order
-# in which threads freed buffers), it is often higher in a fresh process
-# than in the probe's (other free chunks), and the longer the run, the
-# higher its highest step (200 steps of `fit`: 4% above the first 30).
-# Measured with `python benchmarks/bench_find_batch_size.py --spread 3
-# [--load]` (the wide MLP of issue 19, 148 MB budget, 30 steps of `fit` at
-# the answer in a fresh process; 2-core VM, idle and beside a CPU-burning
-# process): the highest step peaked up to 1.11x the probe's measured peak
-# (up to 1.15x here and 1.17x in CI under load before the answer was
-# confirmed over 12 steps). 1.11 x 1.04 for a long run, with headroom:
-# 20% covers 1 / 0.8 = 1.25x. See docs/guides/batch-size.md.
-SAFETY_MARGIN = 0.2
+# The safety margin: the part of the budget the answer's measured peak
+# keeps free, for how much higher a training run's step peaks go than the
+# probe measured. The peak of one batch size varies from step to step on
+# CPU with oneDNN (TensorFlow's BFC allocator hands a request a whole free
+# chunk unless it is at least twice the request, so the bytes counted
+# depend on the order in which threads freed buffers), and the longer the
+# run, the higher its highest step (200 steps of `fit` peaked 4% above
+# their first 30). What varies are mostly the step's batch-sized buffers,
+# not the weights and optimizer state, so a margin of the whole budget
+# (the former fixed 20%) costs most where the fixed part is large: it kept
+# the answer at 0.65 of the largest batch that fits in a fresh process on
+# the wide MLP of issue 19, and at 0.3 on a model whose fixed part is 70%
+# of the budget (issue 31). By default (`safety_margin=None`) the margin
+# is derived from the answer's confirmation (12 steps,
+# `memory_probe.CONFIRM_STEPS`): the largest of `SPREAD_FACTOR` times how
+# far its highest step stood above its median one (a longer run draws
+# more such steps), `VARIABLE_SHARE` of the batch-dependent part of its
+# peak (the peak less the fitted line's fixed part) and
+# `MIN_SAFETY_MARGIN` of the budget; at most `MAX_SAFETY_MARGIN`. The
+# search probes against the budget less `MIN_SAFETY_MARGIN`; a
+# confirmation that calls for more holds the search to the lower budget
+# and steps the answer down. Measured (2-core VM, oneDNN, loaded): the
+# probe's own process reads ~2-5 MB above a fresh process at the same
+# batch (its history of larger probes), which the spread partly reflects;
+# a small MLP's fresh steps went up to 3 MB above the probe's figure
+# (batch 1900, one step in 12). See docs/guides/batch-size.md.
+MIN_SAFETY_MARGIN = 0.03
+MAX_SAFETY_MARGIN = 0.5
+SPREAD_FACTOR = 0.5
+VARIABLE_SHARE = 0.1
+# An explicit `safety_margin` is a fraction in [0, SAFETY_MARGIN_LIMIT].
+SAFETY_MARGIN_LIMIT = 0.5
 MB = 1024.0 * 1024.0
 _LIMITS = ("memory", "max_batch_size", "trials")
 
@@ -86,8 +101,10 @@ class BatchSizeResult:
         safety_margin: the fraction of the budget kept free: every probe
             counted as fitting (and `peak_mb`) stays within
             `budget_mb * (1 - safety_margin)`, for how much higher a
-            training run's step peaks go (see `SAFETY_MARGIN`); 0 on JAX,
-            where the compiled need does not vary from step to step.
+            training run's step peaks go: the `safety_margin` argument, or
+            by default the margin the confirmation called for (see
+            `find_batch_size`); by default 0 on JAX, where the compiled
+            need does not vary from step to step.
         measured_by: "allocator" (TensorFlow's allocator peaks of run
             steps) or "compiled" (XLA's compiled memory analysis, JAX).
     """
@@ -107,7 +124,7 @@ class BatchSizeResult:
     worker_batch_sizes: tuple[int, ...]
     search_seconds: float
     model_name: str = ""
-    safety_margin: float = SAFETY_MARGIN
+    safety_margin: float = MIN_SAFETY_MARGIN
     measured_by: str = "allocator"
 
     @property
@@ -123,7 +140,14 @@ class BatchSizeResult:
             f"{self.per_sample_mb:,.4g} MB per sample on one device "
             f"({self.device}; XLA's memory analysis of "
             f"{len(self.measurements)} compilations). Within the budget of "
-            f"{self.budget_mb:,.1f} MB ({self.budget_source}) the largest "
+            f"{self.budget_mb:,.1f} MB ({self.budget_source})"
+            + (
+                f", less a {self.safety_margin:.0%} safety margin "
+                f"({self.search_budget_mb:,.1f} MB),"
+                if self.safety_margin
+                else ""
+            )
+            + " the largest "
             f"batch per replica is {self.batch_size:,}: it needs "
             f"{self.measured_peak_mb:,.1f} MB"
         )
@@ -190,6 +214,7 @@ def find_batch_size(
     multiple_of: int = 1,
     strategy: tf.distribute.Strategy | None = None,
     max_trials: int = DEFAULT_MAX_TRIALS,
+    safety_margin: float | None = None,
     verbose: int = 0,
 ) -> BatchSizeResult:
     """The largest per-replica batch whose training step fits in memory.
@@ -221,9 +246,20 @@ def find_batch_size(
     the steady state, where `fit` holds the next batch during a step), and
     the answer again over 12 (`memory_probe.CONFIRM_STEPS`; stepped down
     where they peak higher): the highest peak must stay within the budget
-    less a `SAFETY_MARGIN` of 20%, which covers how much higher a training
-    run's step peaks went in a fresh process (measured on CPU); so must the
-    fitted line's `peak_mb` at the answer. On CPU, TensorFlow keeps
+    less a safety margin, which covers how much higher a training run's
+    step peaks go than the probe saw; so must the fitted line's `peak_mb`
+    at the answer. The margin is `safety_margin` (a fraction of the
+    budget), or by default derived from the confirmation: the largest of
+    half how far its highest step peaked above its median step
+    (`SPREAD_FACTOR`), 10% of the batch-dependent part of its peak (its
+    peak less the fitted line's fixed part, `VARIABLE_SHARE`) and 3% of
+    the budget (`MIN_SAFETY_MARGIN`): what varies from step to step are
+    mostly batch-sized buffers, not weights and optimizer state. Tested on
+    CPU with a model whose fixed part is ~70% of the budget: the answer's
+    steps stay within the budget in a fresh process, and the answer is at
+    least 0.7 of the largest batch that fits there. Pass a larger
+    `safety_margin` for long runs on a busy allocator. On CPU, TensorFlow
+    keeps
     allocator statistics only with `TF_ENABLE_ONEDNN_OPTS=1` set before it
     starts, and they are process-wide.
 
@@ -265,6 +301,11 @@ def find_batch_size(
             force).
         max_trials: int >= 3, the most probes of the search (default 16;
             the confirmation of its answer comes on top).
+        safety_margin: float in [0, 0.5] or None, the fraction of the
+            budget the answer's measured peak keeps free. None (default):
+            derived from what the confirmation measures on TensorFlow (see
+            above), 0 on JAX. Larger is safer for long runs, smaller gets
+            closer to the largest batch that fits.
         verbose: int, 1 prints `explain()` (on the chief).
 
     Returns:
@@ -311,6 +352,7 @@ def find_batch_size(
         max_trials=max_trials,
         verbose=verbose,
         accumulate=False,
+        safety_margin=safety_margin,
     )
 
 
@@ -327,12 +369,14 @@ def probe_batch_size(
     max_trials: int,
     verbose: int,
     accumulate: bool,
+    safety_margin: float | None = None,
 ) -> BatchSizeResult:
     """`find_batch_size`, optionally with the copy's optimizer wrapped in
     `GradientAccumulationOptimizer` (`accumulate`, for `configure_batch`)."""
     _check_arguments(
         memory_fraction, memory_budget_mb, max_batch_size, multiple_of
     )
+    safety_margin = check_safety_margin(safety_margin)
     max_trials = check_int(max_trials, "max_trials", minimum=3)
     verbose = check_int(verbose, "verbose", minimum=0)
     if backend.is_jax():
@@ -350,6 +394,7 @@ def probe_batch_size(
             max_trials=max_trials,
             verbose=verbose,
             accumulate=accumulate,
+            safety_margin=safety_margin,
         )
     strategy = current_strategy(
         strategy or getattr(model, "distribute_strategy", None)
@@ -361,6 +406,17 @@ def probe_batch_size(
     budget_mb, source = _budget(
         device, memory_fraction, memory_budget_mb, reader
     )
+    search_margin = (
+        MIN_SAFETY_MARGIN if safety_margin is None else safety_margin
+    )
+    confirm_budget = None
+    if safety_margin is None:
+
+        def confirm_budget(measurement, fixed_mb):
+            return budget_mb - default_margin_mb(
+                measurement, fixed_mb, budget_mb
+            )
+
     start = time.perf_counter()
     try:
         outcome = probe_module.run_in_clean_thread(
@@ -370,20 +426,28 @@ def probe_batch_size(
                 device,
                 reader,
                 (
-                    budget_mb * (1 - SAFETY_MARGIN),
+                    budget_mb * (1 - search_margin),
                     max_batch_size,
                     multiple_of,
                     max_trials,
                 ),
+                confirm_budget,
             )
         )
         error = None
     except Exception as exc:  # shared with the other workers, then raised
         outcome, error = None, exc
     seconds = time.perf_counter() - start
-    rows = gather_rows(strategy, _to_row(outcome, budget_mb, seconds))
+    margin = search_margin
+    if outcome is not None and outcome.budget_mb < budget_mb * (
+        1 - search_margin
+    ):
+        margin = 1 - outcome.budget_mb / budget_mb  # the confirmation's
+    rows = gather_rows(strategy, _to_row(outcome, budget_mb, seconds, margin))
     if error is not None:
-        raise _explained(error, memory_fraction, memory_budget_mb, source)
+        raise _explained(
+            error, memory_fraction, memory_budget_mb, source, search_margin
+        )
     failed = [i for i, r in enumerate(rows) if not r[0]]
     if failed:
         raise RuntimeError(
@@ -428,11 +492,48 @@ def _check_arguments(
         )
 
 
+def check_safety_margin(safety_margin: Any) -> float | None:
+    """`safety_margin` as a float in [0, `SAFETY_MARGIN_LIMIT`], or None;
+    a ValueError (TypeError) naming it, the value and the range."""
+    return check_number(
+        safety_margin,
+        "safety_margin",
+        minimum=0.0,
+        maximum=SAFETY_MARGIN_LIMIT,
+        allow_none=True,
+    )
+
+
+def default_margin_mb(
+    measurement: Any, fixed_mb: float, budget_mb: float
+) -> float:
+    """The default safety margin (MB) for a confirmation `measurement`
+    (its peak and step `spread`, see `memory_probe.step_spread`) whose
+    fitted line has `fixed_mb` there: `SPREAD_FACTOR` x the spread, at
+    least `VARIABLE_SHARE` of the batch-dependent part of the peak, within
+    [`MIN_SAFETY_MARGIN`, `MAX_SAFETY_MARGIN`] of the budget."""
+    variable = max(measurement.peak_mb - fixed_mb, 0.0)
+    wanted = max(
+        SPREAD_FACTOR * (measurement.spread or 0.0),
+        VARIABLE_SHARE * variable,
+    )
+    return min(
+        max(wanted, MIN_SAFETY_MARGIN * budget_mb),
+        MAX_SAFETY_MARGIN * budget_mb,
+    )
+
+
 def _search_on_device(
-    blueprint, samples, device, reader, search_arguments: tuple
+    blueprint,
+    samples,
+    device,
+    reader,
+    search_arguments: tuple,
+    confirm_budget=None,
 ) -> SearchOutcome:
     """The search, in the probe thread: build the copy, step, clean up.
-    `search_arguments`: budget, cap, multiple_of, max_trials."""
+    `search_arguments`: budget, cap, multiple_of, max_trials;
+    `confirm_budget`: see `search_batch_size`."""
     probe = probe_module.StepProbe(blueprint, samples, device, reader)
     probe.open()
     try:
@@ -440,8 +541,9 @@ def _search_on_device(
             probe.measure,
             *search_arguments,
             confirm=lambda batch: probe.measure(
-                batch, probe_module.CONFIRM_STEPS
+                batch, probe_module.CONFIRM_STEPS, spread=True
             ),
+            confirm_budget=confirm_budget,
         )
     finally:
         probe.close()
@@ -507,11 +609,14 @@ def _budget(
 
 
 def _to_row(
-    outcome: SearchOutcome | None, budget_mb: float, seconds: float
+    outcome: SearchOutcome | None,
+    budget_mb: float,
+    seconds: float,
+    margin: float,
 ) -> np.ndarray:
     """The figures every worker shares (all zero when this one failed)."""
     if outcome is None:
-        return np.zeros(11)
+        return np.zeros(12)
     best = outcome.best
     return np.array(
         [
@@ -526,6 +631,7 @@ def _to_row(
             -1 if outcome.upper_bound is None else outcome.upper_bound,
             _LIMITS.index(outcome.limited_by),
             seconds,
+            margin,
         ],
         dtype=np.float64,
     )
@@ -553,6 +659,7 @@ def _result(rows, outcome, device, source, name) -> BatchSizeResult:
         worker_batch_sizes=tuple(int(b) for b in rows[:, 1]),
         search_seconds=float(chosen[10]),
         model_name=name,
+        safety_margin=max(float(chosen[11]), 0.0),
     )
 
 
@@ -561,7 +668,7 @@ def _explained(
     fraction: float | None,
     budget: float | None,
     source,
-    margin: float = SAFETY_MARGIN,
+    margin: float = MIN_SAFETY_MARGIN,
 ) -> Exception:
     """`BudgetTooSmall` as a ValueError naming the budget argument; other
     errors unchanged."""

@@ -222,11 +222,12 @@ class StepProbe:
         gc.collect()
 
     def measure(
-        self, batch_size: int, steps: int | None = None
-    ) -> tuple[float, float]:
+        self, batch_size: int, steps: int | None = None, spread: bool = False
+    ) -> tuple:
         """`(peak_mb, seconds)` of `steps` (default `STEPS`) steps of `fit`
         at `batch_size`: the highest peak above the baseline, and the last
-        step's duration."""
+        step's duration; with `spread`, also how far the highest step's
+        peak stands above the median step's, in MB (`step_spread`)."""
         steps = STEPS if steps is None else steps
         x, y, sample_weight = self.samples.batch(batch_size)
         try:
@@ -251,8 +252,10 @@ class StepProbe:
                 f"{type(exc).__name__}: {_first_line(exc)} (a tf.data."
                 "Dataset must yield batches, as model.fit takes)"
             ) from exc
-        peak = max(p for p, _ in peaks) - self.baseline_mb
-        return peak, peaks[-1][1]
+        above = [p - self.baseline_mb for p, _ in peaks]
+        if spread:
+            return max(above), peaks[-1][1], step_spread(above)
+        return max(above), peaks[-1][1]
 
     def _run_steps(self, batch_size: int, inputs: tuple, count: int) -> list:
         """`count` steps of `fit` on the batch, repeated: `(peak_mb,
@@ -286,6 +289,14 @@ class StepProbe:
         )
         self._steps += len(steps)
         return steps
+
+
+def step_spread(peaks: list) -> float:
+    """`max - median` of a run's step peaks, in MB (0 for one step): how
+    far its highest step stood above a typical one."""
+    if len(peaks) < 2:
+        return 0.0
+    return max(max(peaks) - float(np.median(peaks)), 0.0)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -116,7 +116,9 @@ class Measurement:
     `peak_mb` is None when the step ran out of memory. `predicted_mb` is
     what the search's line predicted for this batch before it was measured
     (None for the first two probes). `confirmation`: measured over the
-    longer run that confirms an answer.
+    longer run that confirms an answer. `spread`: how far the run's
+    highest step peak stands above its median step, in MB (None where the
+    measure did not report it).
     """
 
     batch_size: int
@@ -124,6 +126,7 @@ class Measurement:
     seconds: float | None = None
     predicted_mb: float | None = None
     confirmation: bool = False
+    spread: float | None = None
 
     @property
     def out_of_memory(self) -> bool:
@@ -152,6 +155,8 @@ class SearchOutcome:
     when fewer than two sizes are there): at tiny batches the peak is
     mostly allocator rounding, and the line should be right where it is
     used, near the answer.
+    `budget_mb`: the budget the answer was held to (the search's, or the
+    lower one a confirmation's spread called for).
     `limited_by`: "memory" (bracket one step wide),
     "max_batch_size" (the cap fits) or "trials" (the trial budget ran out
     first). `measurements`: every step, in order.
@@ -162,6 +167,7 @@ class SearchOutcome:
     fit: LinearFit
     limited_by: str
     measurements: tuple[Measurement, ...]
+    budget_mb: float | None = None
 
     @property
     def predicted_peak_mb(self) -> float:
@@ -182,7 +188,8 @@ def search_batch_size(
     max_batch_size: int | None = None,
     multiple_of: int = 1,
     max_trials: int = DEFAULT_MAX_TRIALS,
-    confirm: Callable[[int], tuple[float, float]] | None = None,
+    confirm: Callable[[int], tuple] | None = None,
+    confirm_budget: Callable[[Measurement, float], float] | None = None,
 ) -> SearchOutcome:
     """The largest multiple of `multiple_of` (up to `max_batch_size`) whose
     measured step peak is at most `budget_mb`.
@@ -192,8 +199,13 @@ def search_batch_size(
     probes are `multiple_of` and twice that; each later one is chosen as
     described in the module docstring. Raises `BudgetTooSmall` when the
     first probe does not fit. `confirm(batch)`, where given, measures a
-    longer run: the answer must fit over it too (see `_Search.confirm`);
-    `max_trials` counts the search's probes, not these.
+    longer run, `(peak_mb, seconds)` or `(peak_mb, seconds, spread)`: the
+    answer must fit over it too (see `_Search.confirm`); `max_trials`
+    counts the search's probes, not these. `confirm_budget(measurement,
+    fixed_mb)`, where given, is the budget a confirmation's run must fit,
+    derived from what it measured (its peak and `spread`) and the fixed
+    part of the reported line there; from then on the whole search is held
+    to it where it is lower than `budget_mb` (`SearchOutcome.budget_mb`).
     """
     search = _Search(measure, budget_mb, max_batch_size, multiple_of)
     first = search.run(multiple_of)
@@ -222,7 +234,7 @@ def search_batch_size(
         limited_by = stop or "trials"
     search.settle()
     if confirm is not None:
-        search.confirm(confirm)
+        search.confirm(confirm, budget_for=confirm_budget)
     outcome = search.outcome(limited_by)
     if (
         limited_by == "max_batch_size"
@@ -249,12 +261,16 @@ class _Search:
         """Measure `batch_size` with the search's `measure`, or with the
         given one (a confirmation)."""
         predicted = self._fit.predict(batch_size) if self._fit else None
+        spread = None
         try:
-            peak, seconds = (measure or self._measure)(batch_size)
+            figures = (measure or self._measure)(batch_size)
+            peak, seconds = figures[:2]
+            if len(figures) > 2:
+                spread = figures[2]
         except OutOfMemory:
             peak, seconds = None, None
         measurement = Measurement(
-            batch_size, peak, seconds, predicted, measure is not None
+            batch_size, peak, seconds, predicted, measure is not None, spread
         )
         self.measurements.append(measurement)
         return measurement
@@ -413,10 +429,18 @@ class _Search:
                 return
             self.run(candidate)
 
-    def confirm(self, measure, attempts: int = CONFIRMATIONS) -> None:
+    def confirm(
+        self, measure, attempts: int = CONFIRMATIONS, budget_for=None
+    ) -> None:
         """Re-measure the answer with `measure` (a longer run); where it
         peaks above the budget, step down and measure again, at most
         `attempts` times in all.
+
+        `budget_for(measurement, fixed_mb)`, where given, is the budget a
+        run with the peak and spread it measured must fit (`fixed_mb`: the
+        reported line's fixed part there): where lower than the search's,
+        it becomes the search's budget (every earlier probe is judged
+        against it too, so the answer stays below each failure).
 
         The search's answer is the largest batch whose few steps peaked
         within the budget: among batches near the budget, the one whose
@@ -428,6 +452,11 @@ class _Search:
         batch = self._answer()[0].batch_size
         for _ in range(attempts):
             checked = self.run(batch, measure)
+            if budget_for is not None and not checked.out_of_memory:
+                fixed = self._reported_fit(batch).fixed_mb
+                fixed = min(max(fixed, 0.0), checked.peak_mb)
+                wanted = budget_for(checked, fixed)
+                self.budget_mb = min(self.budget_mb, wanted)
             if checked.fits(self.budget_mb):
                 self._confirmed = checked
                 return
@@ -494,4 +523,5 @@ class _Search:
             fit=fit,
             limited_by=limited_by,
             measurements=tuple(self.measurements),
+            budget_mb=self.budget_mb,
         )

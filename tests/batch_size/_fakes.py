@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from keras_mgpu._flavour import tf
-from keras_mgpu.batch_size import memory_probe
-from keras_mgpu.batch_size.finder import SAFETY_MARGIN
+from keras_mgpu.batch_size import finder, memory_probe
+from keras_mgpu.batch_size.finder import MIN_SAFETY_MARGIN as SAFETY_MARGIN
 
 
 class FakeAllocator:
@@ -80,8 +80,14 @@ def budget_for(batch_size: int, fixed_mb: float = 10.0) -> float:
 
 @pytest.fixture
 def fake_allocator(monkeypatch):
-    """Install a `FakeAllocator` (returned; change its fields freely)."""
+    """Install a `FakeAllocator` (returned; change its fields freely).
+
+    The fake's steps have no spread and no part that varies between steps,
+    so the default margin is the least one (`MIN_SAFETY_MARGIN`): the
+    share of the batch-dependent part it keeps on real runs
+    (`finder.VARIABLE_SHARE`) is set to 0 here and tested on its own."""
     fake = FakeAllocator()
+    monkeypatch.setattr(finder, "VARIABLE_SHARE", 0.0)
     monkeypatch.setattr(memory_probe, "memory_reader", lambda: fake)
     real_steps = memory_probe.StepProbe._run_steps
 

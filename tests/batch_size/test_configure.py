@@ -181,6 +181,12 @@ def test_global_batch_not_a_multiple_of_the_replicas(fake_allocator):
         ({"max_batch_size": -1}, ValueError, "max_batch_size=-1"),
         ({"min_fill": 2}, ValueError, "`min_fill` must be a number"),
         ({"verbose": -1}, ValueError, "verbose=-1"),
+        (
+            {"safety_margin": 0.75},
+            ValueError,
+            r"Argument `safety_margin` must be a number >= 0\.0 and <= 0\.5 "
+            r"or None\. Received: safety_margin=0\.75",
+        ),
     ],
 )
 def test_bad_arguments(kwargs, error, message, fake_allocator):

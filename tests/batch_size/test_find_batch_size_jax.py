@@ -100,6 +100,44 @@ def test_answer_fits_and_the_next_candidate_does_not(found):
     assert "compiled by XLA" in result.explain()
 
 
+def largest_fitting_compiled(model, budget_mb: float, lo: int, hi: int):
+    """Bisection on XLA's compiled need: the largest batch in [lo, hi)
+    within `budget_mb` (`lo` fits, `hi` does not), to ~5%."""
+    assert compiled_need_mb(model, lo) <= budget_mb
+    assert compiled_need_mb(model, hi) > budget_mb
+    while hi - lo > max(lo // 20, 1):
+        middle = (lo + hi) // 2
+        if compiled_need_mb(model, middle) <= budget_mb:
+            lo = middle
+        else:
+            hi = middle
+    return lo
+
+
+@pytest.mark.slow
+def test_near_maximal_with_the_default_and_an_explicit_margin(found):
+    # Issue 31 on JAX: the answer against the largest batch whose compiled
+    # need fits, found by bisection here; with `safety_margin` against
+    # the budget less the margin.
+    model, _, result = found
+    model.train_on_batch(X[:2], Y[:2])  # builds its optimizer state
+    answer = result.batch_size
+    # Below 1/0.7 of the answer, where the need is over the budget.
+    top = int(answer / 0.7) + 1
+    largest = largest_fitting_compiled(model, BUDGET_MB, answer, top)
+    assert answer >= 0.7 * largest, (answer, largest)
+    margined = keras_mgpu.find_batch_size(
+        mlp(), (X, Y), memory_budget_mb=BUDGET_MB, safety_margin=0.25
+    )
+    assert margined.safety_margin == 0.25
+    assert margined.search_budget_mb == pytest.approx(0.75 * BUDGET_MB)
+    assert "less a 25% safety margin" in margined.explain()
+    within = margined.batch_size
+    assert compiled_need_mb(model, within) <= 0.75 * BUDGET_MB
+    # Not lower than needed: 1/0.7 of it needs more than the budget left.
+    assert compiled_need_mb(model, int(within / 0.7) + 1) > 0.75 * BUDGET_MB
+
+
 def test_cap_and_multiple_of():
     result = keras_mgpu.find_batch_size(
         mlp("sgd"),
@@ -160,6 +198,14 @@ def test_errors():
     with pytest.raises(ValueError, match="`device` must be one of"):
         keras_mgpu.find_batch_size(
             model, (X, Y), memory_budget_mb=8, device="gpu:7"
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"Argument `safety_margin` must be a number >= 0\.0 and <= "
+        r"0\.5 or None\. Received: safety_margin=0\.6",
+    ):
+        keras_mgpu.find_batch_size(
+            model, (X, Y), memory_budget_mb=8, safety_margin=0.6
         )
     with pytest.raises(ValueError, match="`memory_budget_mb`=0.1 is too"):
         keras_mgpu.find_batch_size(model, (X, Y), memory_budget_mb=0.1)

@@ -17,14 +17,14 @@ import re
 
 import numpy as np
 import pytest
-from _processes import run_in_process
+from _processes import _child_env, _run_children, run_in_process
 from _training import mlp, regression_data
 from batch_size import _fakes
 
 from keras_mgpu import find_batch_size
 from keras_mgpu._flavour import keras, tf
 from keras_mgpu.batch_size import AllocatorStatsUnavailable, memory_probe
-from keras_mgpu.batch_size.finder import SAFETY_MARGIN
+from keras_mgpu.batch_size.finder import MIN_SAFETY_MARGIN as SAFETY_MARGIN
 
 X, Y = regression_data(16)
 fake_allocator = _fakes.fake_allocator  # the fixture
@@ -115,6 +115,46 @@ def test_the_answer_fits_over_a_longer_run(fake_allocator):
     }
 
 
+def test_an_explicit_safety_margin(fake_allocator):
+    model = _compiled(tf.distribute.get_strategy())
+    result = find_batch_size(
+        model, (X, Y), memory_budget_mb=100.0, safety_margin=0.3
+    )
+    assert result.safety_margin == 0.3
+    assert result.search_budget_mb == pytest.approx(70.0)
+    assert result.batch_size == 120  # 10 + 0.5 b <= 70
+    assert result.measured_peak_mb <= 70.0
+    assert "less a 30% margin" in result.explain()
+    none = find_batch_size(
+        model, (X, Y), memory_budget_mb=100.0, safety_margin=0
+    )
+    assert none.batch_size == 180 and none.safety_margin == 0
+
+
+def test_the_default_margin_follows_the_confirmation():
+    from keras_mgpu.batch_size.finder import (
+        MAX_SAFETY_MARGIN,
+        SPREAD_FACTOR,
+        VARIABLE_SHARE,
+        default_margin_mb,
+    )
+    from keras_mgpu.batch_size.search import Measurement
+
+    def margin(peak, spread, fixed=20.0, budget=100.0):
+        run = Measurement(100, peak, 0.1, confirmation=True, spread=spread)
+        return default_margin_mb(run, fixed, budget)
+
+    # No spread, a small batch-dependent part: the least margin.
+    assert margin(30.0, 0.0) == pytest.approx(SAFETY_MARGIN * 100)
+    # The step spread the confirmation measured, times the factor.
+    assert margin(40.0, 12.0) == pytest.approx(SPREAD_FACTOR * 12.0)
+    # A share of the batch-dependent part (peak less the fixed part).
+    assert margin(90.0, 1.0, fixed=0.0) == pytest.approx(VARIABLE_SHARE * 90)
+    assert margin(90.0, None, fixed=0.0) == pytest.approx(VARIABLE_SHARE * 90)
+    # Never more than the cap.
+    assert margin(99.0, 150.0) == pytest.approx(MAX_SAFETY_MARGIN * 100)
+
+
 def test_out_of_memory_in_a_step_backs_off(fake_allocator):
     # The budget allows more (160 with a 10% margin), but the device runs
     # out above 60 (as a GPU does when fragmentation leaves less than the
@@ -184,7 +224,7 @@ def test_workers_take_the_smallest_answer(fake_allocator, monkeypatch):
     own = fits(100.0)  # 160 with a 10% margin
     smaller = own - 10
     other = np.array(
-        [1, smaller, 9.0, 0.4, 69.0, 68.0, 1e-4, 80.0, smaller + 5, 0, 2.0]
+        [1, smaller, 9.0, 0.4, 69.0, 68.0, 1e-4, 80.0, smaller + 5, 0, 2.0, 0.1]
     )
     monkeypatch.setattr(
         finder, "gather_rows", lambda strategy, row: np.stack([row, other])
@@ -198,6 +238,7 @@ def test_workers_take_the_smallest_answer(fake_allocator, monkeypatch):
         smaller + 5,
     )
     assert result.budget_mb == 80.0
+    assert result.safety_margin == 0.1  # the chosen worker's
     assert f"the smallest of the workers' answers [{own}, {smaller}]" in (
         result.explain()
     )
@@ -327,6 +368,23 @@ class _NoConfig(keras.Model):
         ),
         ({"max_trials": 2}, ValueError, "Received: max_trials=2"),
         (
+            {"safety_margin": 0.6},
+            ValueError,
+            r"Argument `safety_margin` must be a number >= 0\.0 and <= 0\.5 "
+            r"or None\. Received: safety_margin=0\.6",
+        ),
+        (
+            {"safety_margin": -0.1},
+            ValueError,
+            r"Received: safety_margin=-0\.1",
+        ),
+        (
+            {"safety_margin": "auto"},
+            TypeError,
+            r"`safety_margin` must be a number .* Received: "
+            r"safety_margin='auto' \(of type str\)",
+        ),
+        (
             {"device": "GPU:7"},
             ValueError,
             r"`device` must be one of this process's logical devices "
@@ -437,7 +495,9 @@ def test_real_peaks_of_a_cnn_and_an_mlp():
     for name, r in results.items():
         # What the steps had to fit: the budget less the safety margin.
         budget = r["search_budget_mb"]
-        assert budget == pytest.approx((1 - SAFETY_MARGIN) * r["budget_mb"])
+        # The default margin: at least the least one, more where the
+        # confirmation called for it.
+        assert budget <= (1 - SAFETY_MARGIN) * r["budget_mb"] + 1e-9
         assert r["limited_by"] == "memory", (name, r)
         relative = (
             abs(r["peak_mb"] - r["measured_peak_mb"]) / (r["measured_peak_mb"])
@@ -506,3 +566,71 @@ def test_the_answer_fits_when_a_fresh_process_trains_at_it():
     peaks = trained["peaks"]
     assert len(peaks) == probe_bodies.FRESH_STEPS
     assert max(peaks) <= budget, (found, peaks)
+
+
+# ----------------------------------------------------------------------
+# Near-maximal (issue 31): the answer against the largest batch that fits
+# in a fresh process, found by bisection there
+# ----------------------------------------------------------------------
+NEAR_MAX_RATIO = 0.7
+ONEDNN = {"TF_ENABLE_ONEDNN_OPTS": "1"}
+
+
+def _fresh_peaks(*batch_sizes: int) -> list:
+    """Each batch's highest step peak over `fit` in a process of its own
+    (the processes run side by side)."""
+    results = _run_children(
+        "batch_size.probe_bodies:fresh_ballast_peaks",
+        [_child_env(ONEDNN)] * len(batch_sizes),
+        300,
+        args=batch_sizes,
+    )
+    return [max(r["peaks"]) for r in results]
+
+
+def largest_fitting_fresh(budget_mb: float, lo: int, hi: int, step: int):
+    """Bisection in fresh processes between `lo` (fits) and `hi` (does
+    not): the largest batch seen to fit, within `step`, and each batch's
+    highest step peak."""
+    seen = {}
+    while hi - lo > step:
+        middle = (lo + hi) // 2
+        (seen[middle],) = _fresh_peaks(middle)
+        lo, hi = (middle, hi) if seen[middle] <= budget_mb else (lo, middle)
+    return lo, seen
+
+
+@pytest.mark.slow
+def test_the_answer_is_near_maximal_and_fits_a_fresh_process():
+    """Issue 31: on a model whose weights and optimizer state are most of
+    the budget (as the wide MLP's of issue 19), with a budget halfway
+    between the fresh-process peaks at 256 and 4096 samples, the former
+    fixed 20% margin answered ~0.3 of the largest batch that fits in a
+    fresh process. Now the answer's fresh `fit` stays within the budget at
+    every step and the answer is at least 0.7 of the largest batch that
+    fits there (by bisection, 12 steps of `fit` per batch, each in a
+    process of its own)."""
+    from batch_size import probe_bodies
+
+    budget = probe_bodies.NEAR_MAX_BUDGET_MB
+    found = run_in_process(
+        "batch_size.probe_bodies:find_near_maximal",
+        timeout=300,
+        args=(budget,),
+        env=ONEDNN,
+    )
+    answer = found["batch_size"]
+    assert found["measured_peak_mb"] <= found["search_budget_mb"], found
+    assert found["peak_mb"] <= found["search_budget_mb"], found
+    # 1/0.7 of the answer must not fit (else the answer is below 0.7 of
+    # the largest that fits); the answer itself must.
+    top = int(answer / NEAR_MAX_RATIO) + 1
+    at_answer, at_top = _fresh_peaks(answer, top)
+    assert at_answer <= budget, (found, at_answer)
+    assert at_top > budget, (
+        f"{top} (answer {answer} / {NEAR_MAX_RATIO}) fits in a fresh "
+        f"process: {at_top:.1f} MB <= {budget} MB",
+        found,
+    )
+    largest, seen = largest_fitting_fresh(budget, answer, top, answer // 8)
+    assert answer >= NEAR_MAX_RATIO * largest, (answer, largest, seen)

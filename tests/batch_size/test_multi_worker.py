@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import pytest
 from _processes import run_workers
-from batch_size.probe_bodies import WORKER_BUDGETS_MB, WORKER_GLOBAL_BATCH
+from batch_size.probe_bodies import (
+    WORKER_BUDGETS_MB,
+    WORKER_GLOBAL_BATCH,
+    WORKER_SAFETY_MARGIN,
+)
 
-from keras_mgpu.batch_size.finder import SAFETY_MARGIN
 from keras_mgpu.batch_size.search import resolution
 
 
@@ -28,7 +31,8 @@ def test_workers_agree_on_the_smallest_answer():
     assert own[1] < own[0]  # worker 1 has the smaller budget
     for index, result in enumerate(results):
         assert result["device"] == "CPU:0"
-        budget = WORKER_BUDGETS_MB[index] * (1 - SAFETY_MARGIN)
+        assert result["safety_margin"] == WORKER_SAFETY_MARGIN
+        budget = WORKER_BUDGETS_MB[index] * (1 - WORKER_SAFETY_MARGIN)
         measured = result["own_measurements"]
         # Below every batch that did not fit (the answer's confirmation
         # over a longer run may have failed where its first steps fit).

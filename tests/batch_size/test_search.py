@@ -294,3 +294,31 @@ def test_a_failed_confirmation_steps_down_by_the_excess_not_further():
     assert outcome.best.peak_mb <= 100.0
     assert outcome.predicted_peak_mb <= 100.0
     assert len(confirmed) >= 2 and outcome.upper_bound == confirmed[-2]
+
+
+def test_a_confirmation_spread_lowers_the_budget_and_steps_down():
+    # The line 10 + 0.5 b fits 100 MB up to 180; a confirmation whose
+    # steps spread by 6 MB holds the search to 100 - 2 x 6 = 88 MB.
+    from keras_mgpu.batch_size.search import search_batch_size
+
+    def line(batch):
+        return 10.0 + 0.5 * batch, 0.01
+
+    seen = []
+
+    def budget_for(measurement, fixed_mb):
+        seen.append((measurement.batch_size, measurement.spread, fixed_mb))
+        return 100.0 - 2 * measurement.spread
+
+    outcome = search_batch_size(
+        line,
+        100.0,
+        confirm=lambda batch: (*line(batch), 6.0),
+        confirm_budget=budget_for,
+    )
+    assert outcome.budget_mb == 88.0
+    assert outcome.best.peak_mb <= 88.0
+    assert outcome.best.confirmation and outcome.best.spread == 6.0
+    assert outcome.best.batch_size >= 156 - 6  # within a step or so of 156
+    assert seen[0] == (180, 6.0, pytest.approx(10.0))
+    assert outcome.predicted_peak_mb <= 88.0
