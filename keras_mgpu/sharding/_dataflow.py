@@ -115,9 +115,7 @@ class _Walker:
                 for branch in inner
                 if len(branch.invars) == len(values) - 1
             ]
-            if branch_outputs and all(
-                len(o) == n_out for o in branch_outputs
-            ):
+            if branch_outputs and all(len(o) == n_out for o in branch_outputs):
                 return [
                     _Value(
                         producers=frozenset().union(
@@ -145,9 +143,9 @@ def trace_uses(
 
     def spec(x: Any) -> Any:
         shape = tuple(2 if d is None else int(d) for d in x.shape)
-        return jax.ShapeDtypeStruct(shape, keras.backend.standardize_dtype(
-            x.dtype
-        ))
+        return jax.ShapeDtypeStruct(
+            shape, keras.backend.standardize_dtype(x.dtype)
+        )
 
     def forward(trainable, non_trainable, x):
         return model.stateless_call(trainable, non_trainable, x)[0]
@@ -169,7 +167,7 @@ def trace_uses(
 
 
 def roles_from_uses(uses: list[Use], n_weights: int) -> dict[int, str]:
-    """"column" or "row" for each weight contracted (the role of its first
+    """ "column" or "row" for each weight contracted (the role of its first
     contraction), "lookup" for weights only looked up. A contraction whose
     input comes from a column-split one is row-split; every other one is
     column-split (its input is whole), so the roles alternate along the

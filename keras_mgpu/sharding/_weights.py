@@ -45,9 +45,7 @@ def nbytes_of(shape: tuple[int, ...], dtype: str) -> int:
 def model_variables(model: Any) -> list[Any]:
     """`model.trainable_variables` then `model.non_trainable_variables`
     (the order `stateless_call` takes them in)."""
-    return list(model.trainable_variables) + list(
-        model.non_trainable_variables
-    )
+    return list(model.trainable_variables) + list(model.non_trainable_variables)
 
 
 def _owners(model: Any) -> dict[int, Any]:
@@ -147,7 +145,11 @@ def _classify(info: WeightInfo, layer: Any) -> None:
         info.kind, info.contracted, info.output = "kernel", (0,), (1,)
         return
     if _is(layer, "Dense") and rank == 1 and name == "bias" and kernel_path:
-        info.kind, info.kernel_path, info.kernel_dims = "bias", kernel_path, (1,)
+        info.kind, info.kernel_path, info.kernel_dims = (
+            "bias",
+            kernel_path,
+            (1,),
+        )
         return
     if _is(layer, "Embedding"):
         if name == "embeddings" and rank == 2:

@@ -12,7 +12,6 @@ from keras_mgpu._validation import check_number
 from keras_mgpu.sharding import _weights
 from keras_mgpu.sharding.plan import (
     DEFAULT_MIN_SHARD_BYTES,
-    axis_size,
     check_mesh,
     check_model,
     require_jax,
@@ -319,13 +318,18 @@ def check_layout_map(
     Example:
 
     ```python
+    import keras, keras_mgpu
     mesh = keras.distribution.DeviceMesh(
         (1, 4), ("batch", "model"), keras.distribution.list_devices()[:4])
+    inputs = keras.Input((64,))
+    x = keras.layers.Dense(256, name="up")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(64, name="down")(x))
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map["up/kernel"] = (None, "model")
-    report = keras_mgpu.sharding.check_layout_map(model, layout_map)
-    print(report)               # a table: variable, shape, axes, bytes
-    report.to_dict()["fallbacks"]
+    report = keras_mgpu.sharding.check_layout_map(
+        model, layout_map, optimizer=keras.optimizers.Adam())
+    print(report)  # a table: variable, shape, axes, bytes per device
+    report.fallbacks  # {'down/kernel': 'no pattern leaves this kernel ...'}
     ```
     """
     import keras
@@ -362,9 +366,7 @@ def check_layout_map(
             f"optimizer={type(optimizer).__name__}, "
             f"optimizer_multiplier={optimizer_multiplier}"
         )
-    sizes = {
-        name: int(size) for name, size in zip(mesh.axis_names, mesh.shape)
-    }
+    sizes = {name: int(size) for name, size in zip(mesh.axis_names, mesh.shape)}
     infos = _weights.describe(model)
     patterns = list(layout_map)
     exact = set(patterns)
@@ -536,8 +538,7 @@ def _activations(infos: list, rows: list, sizes: dict) -> dict[str, tuple]:
         split = [
             d
             for d in info.output
-            if row.axes[d] is not None
-            and _axis_product(sizes, row.axes[d]) > 1
+            if row.axes[d] is not None and _axis_product(sizes, row.axes[d]) > 1
         ]
         if not split:
             continue

@@ -54,8 +54,12 @@ def test_report_counts_matches_and_bytes(model):
 
 
 def test_unmatched_pattern_raises_or_is_listed(model):
-    layout_map = _map(up_0__kernel=(None, "model"), dense_7__kernel=(None, "model"))
-    with pytest.raises(ValueError, match=r"Pattern 'dense_7/kernel'.*matches no"):
+    layout_map = _map(
+        up_0__kernel=(None, "model"), dense_7__kernel=(None, "model")
+    )
+    with pytest.raises(
+        ValueError, match=r"Pattern 'dense_7/kernel'.*matches no"
+    ):
         check_layout_map(model, layout_map)
     report = check_layout_map(model, layout_map, allow_unmatched=True)
     assert report.unmatched_patterns == ["dense_7/kernel"]
@@ -146,3 +150,11 @@ def test_optimizer_state_per_device(model):
 
     with pytest.raises(ValueError, match="unbuilt Mine.*optimizer_multiplier"):
         check_layout_map(model, layout_map, optimizer=Mine(0.1))
+
+
+@pytest.mark.parametrize("name", ["plan_layout_map", "check_layout_map"])
+def test_docstring_examples_run(name):
+    text = getattr(keras_mgpu.sharding, name).__doc__
+    code = text.split("```python\n")[1].split("```")[0]
+    code = "\n".join(line[4:] for line in code.splitlines())
+    exec(compile(code, f"<{name} docstring>", "exec"), {})

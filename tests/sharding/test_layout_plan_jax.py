@@ -72,8 +72,9 @@ def test_no_hub_map_per_device_bytes(hub_models, name, shape):
     assert report.fallbacks == {}
     if name == "mlp":  # Megatron pairs, one after the other
         roles = report.planner.roles
-        assert [roles[f"{n}_{i}/kernel"] for i in (0, 1) for n in (
-            "up", "down")] == ["column", "row"] * 2
+        assert [
+            roles[f"{n}_{i}/kernel"] for i in (0, 1) for n in ("up", "down")
+        ] == ["column", "row"] * 2
         assert "head/kernel" not in roles  # 512 bytes: replicated
 
 

@@ -39,13 +39,18 @@ def _compiled_mlp():
 @pytest.mark.slow
 def test_sharded_fit_trains_like_unsharded():
     differences = assert_trains_like(
-        _compiled_mlp, _data(), _distribution((2, 2)), steps=4, rtol=1e-5,
+        _compiled_mlp,
+        _data(),
+        _distribution((2, 2)),
+        steps=4,
+        rtol=1e-5,
         atol=1e-6,
     )
     assert set(differences) >= {"up_0/kernel", "down_1/kernel"}
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:MemoryMonitor:UserWarning")
 def test_accumulation_recompute_and_monitor_under_the_plan():
     """K=2 micro-batches of 16 with recompute and a monitor, sharded, end
     where plain sharded SGD at batch 32 does; the accumulators live where
