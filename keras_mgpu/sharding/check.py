@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from keras_mgpu._validation import check_number
+from keras_mgpu._validation import check_int, check_number
 from keras_mgpu.sharding import _weights
 from keras_mgpu.sharding.plan import (
     DEFAULT_MIN_SHARD_BYTES,
@@ -366,9 +366,19 @@ def check_layout_map(
             f"optimizer={type(optimizer).__name__}, "
             f"optimizer_multiplier={optimizer_multiplier}"
         )
+    min_shard_bytes = check_int(min_shard_bytes, "min_shard_bytes", minimum=0)
     sizes = {name: int(size) for name, size in zip(mesh.axis_names, mesh.shape)}
     infos = _weights.describe(model)
     patterns = list(layout_map)
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(
+                f"Pattern {pattern!r} of the layout map is not a regular "
+                f"expression ({exc}); keras.distribution.LayoutMap matches "
+                "keys with re.fullmatch."
+            ) from None
     exact = set(patterns)
     matches: dict[str, list[str]] = {p: [] for p in patterns}
     rows = []

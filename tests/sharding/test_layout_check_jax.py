@@ -116,6 +116,11 @@ def test_mesh_and_type_arguments(model):
         check_layout_map(model, {"up_0/kernel": (None, "model")})
     with pytest.raises(TypeError, match="`mesh`"):
         check_layout_map(model, layout_map, "mesh")
+    with pytest.raises(ValueError, match="min_shard_bytes=-2"):
+        check_layout_map(model, layout_map, min_shard_bytes=-2)
+    layout_map["up_(1"] = (None, "model")
+    with pytest.raises(ValueError, match=r"'up_\(1'.*not a regular"):
+        check_layout_map(model, layout_map)
 
 
 def test_optimizer_state_per_device(model):
