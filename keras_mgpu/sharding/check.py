@@ -318,7 +318,8 @@ def check_layout_map(
     Example:
 
     ```python
-    import keras, keras_mgpu
+    import keras
+    import keras_mgpu.sharding
     mesh = keras.distribution.DeviceMesh(
         (1, 4), ("batch", "model"), keras.distribution.list_devices()[:4])
     inputs = keras.Input((64,))

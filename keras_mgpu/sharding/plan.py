@@ -234,7 +234,8 @@ def plan_layout_map(
     Example:
 
     ```python
-    import keras, keras_mgpu
+    import keras
+    import keras_mgpu.sharding
     mesh = keras.distribution.DeviceMesh(
         (2, 2), ("batch", "model"), keras.distribution.list_devices()[:4])
     def build():
