@@ -24,6 +24,7 @@ def hub_models():
     return {"gemma": gemma(), "llama": llama(), "gpt2": gpt2()}
 
 
+@pytest.mark.slow  # keras_hub's import and builds
 @pytest.mark.parametrize("shape", MESHES, ids=["2x2", "1x4"])
 @pytest.mark.parametrize("name", ["gemma", "llama"])
 def test_planned_bytes_at_most_keras_hubs(hub_models, name, shape):
@@ -38,6 +39,7 @@ def test_planned_bytes_at_most_keras_hubs(hub_models, name, shape):
         assert "token_embedding/reverse_embeddings" in hub.fallbacks
 
 
+@pytest.mark.slow  # keras_hub's import and builds
 @pytest.mark.parametrize("name", ["gemma", "llama", "gpt2"])
 def test_megatron_roles_alternate(hub_models, name):
     model = hub_models[name]
@@ -62,6 +64,7 @@ def test_megatron_roles_alternate(hub_models, name):
     assert axes[heads] == "model"
 
 
+@pytest.mark.slow  # keras_hub's import and builds
 @pytest.mark.parametrize("shape", MESHES, ids=["2x2", "1x4"])
 @pytest.mark.parametrize("name", ["gpt2", "mlp"])
 def test_no_hub_map_per_device_bytes(hub_models, name, shape):
@@ -131,6 +134,7 @@ def test_sharded_outputs_and_gradients_match(hub_models, name, shape):
         )
 
 
+@pytest.mark.slow  # keras_hub's import and builds
 def test_single_kv_head_splits_the_head_dimension():
     """Gemma 2B's shape (1 key/value head): keras-hub's map cannot split the
     head axis 4 ways (the checker says so before the build fails); the plan
