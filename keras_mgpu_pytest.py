@@ -29,6 +29,7 @@ pytest installed.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -255,4 +256,6 @@ def pytest_configure(config: Any) -> None:
     # (its `pytest_configure` runs at registration).
     manager = config.pluginmanager
     if asked(config) and not manager.has_plugin(_PLUGIN):
-        manager.import_plugin(_PLUGIN)
+        # A library module, not marked for assertion rewriting (a
+        # conftest.py may have imported it already).
+        manager.register(importlib.import_module(_PLUGIN), _PLUGIN)

@@ -13,14 +13,14 @@ Installing keras_mgpu changes no one's other tests: without activation,
 TensorFlow is not imported by the plugin and sees one CPU device.
 
 Once active, the host CPU is split into devices before the backend's
-runtime starts, and after your `conftest.py` files ran, so they can still
-choose the Keras flavour (`TF_USE_LEGACY_KERAS`) and TensorFlow's runtime
-options (threads, GPU memory growth). TensorFlow: logical CPU devices,
-recorded after the conftest.py files without starting the runtime (a
-conftest.py that starts it at import calls `configure_cpu_devices(n)`
-first; otherwise a clear error). JAX: `XLA_FLAGS`
-`--xla_force_host_platform_device_count`, set before the conftest.py files
-(a clear error if something started JAX first). These fixtures exist:
+runtime starts, without starting it and without importing keras_mgpu
+before your `conftest.py` files ran, so they can still choose the Keras
+flavour (`TF_USE_LEGACY_KERAS`) and the runtime's options (threads, GPU
+memory growth, `jax_num_cpu_devices`). TensorFlow: logical CPU devices,
+recorded right after TensorFlow is imported (a conftest.py may build
+tensors at import). JAX: `XLA_FLAGS` `--xla_force_host_platform_device_count`,
+set before the conftest.py files. A clear error if something started the
+runtime first with another number of devices. These fixtures exist:
 
 - `strategy`: parametrised over the matrix of the running backend (ids in
   the test names: `test_x[mirrored_2]`); `strategy_name` gives the id.

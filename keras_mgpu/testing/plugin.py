@@ -5,11 +5,11 @@
 `keras_mgpu_pytest` entry point) registers them; the helpers of
 `keras_mgpu.testing` work without pytest.
 
-Nothing here starts a backend's runtime before the user's `conftest.py`
-files ran: before them only the device count is read and, on JAX,
-`XLA_FLAGS` set; after them (`pytest_configure`) TensorFlow's CPU is split
-into logical devices without starting its runtime, and the keras_mgpu
-flavour is read again if only this plugin had imported keras_mgpu.
+Nothing here starts a backend's runtime, and nothing imports keras_mgpu
+before the user's `conftest.py` files ran (under `-p keras_mgpu.testing`,
+where pytest imports it first, the flavour is read again after them): see
+`keras_mgpu_pytest` for what runs before them (the device count, JAX's
+`XLA_FLAGS`, a hook that splits TensorFlow's CPU when it is imported).
 """
 
 from __future__ import annotations

@@ -145,10 +145,17 @@ def test_a_conftest_chooses_threads_and_flavour_and_two_devices_skip(
         + """
 def test_matrix(strategy, strategy_name):
     print("RAN", strategy_name, strategy.num_replicas_in_sync)
+
+def test_too_large_an_entry_by_name_is_named():
+    import pytest
+    from keras_mgpu.testing import make_strategy
+    with pytest.raises(ValueError, match="'mirrored_4' needs 4 CPU devices; "
+                       "2 are configured .keras_mgpu_cpu_devices = 2"):
+        make_strategy("mirrored_4")
 """
     )
     result = _run(pytester, "-v", "-rs")
-    result.assert_outcomes(passed=5, skipped=1)
+    result.assert_outcomes(passed=6, skipped=1)
     result.stdout.fnmatch_lines(["CONFTEST DEVICES 2"])
     result.stdout.fnmatch_lines(["*keras_mgpu.testing: 2 logical CPU devices*"])
     assert _devices(result) == 2
