@@ -126,7 +126,7 @@ def test_conftest_choices_hold(cpu_devices):
     import tensorflow as tf
     import tf_keras
     import keras_mgpu
-    assert tf.config.threading.get_intra_op_parallelism_threads() == 1
+    assert tf.config.threading.get_intra_op_parallelism_threads() == THREADS
     keras_mgpu.RecomputeGrad(tf_keras.layers.Dense(2))  # tf_keras flavour
     print("DEVICES", len(cpu_devices))
 """
@@ -141,7 +141,8 @@ def test_a_conftest_chooses_threads_and_flavour_and_two_devices_skip(
     pytester.makeini("[pytest]\nkeras_mgpu_cpu_devices = 2\n")
     pytester.makeconftest(_CHOOSING_CONFTEST)
     pytester.makepyfile(
-        test_user=_CONFTEST_CHOICES_HOLD
+        test_user="THREADS = 1\n"
+        + _CONFTEST_CHOICES_HOLD
         + """
 def test_matrix(strategy, strategy_name):
     print("RAN", strategy_name, strategy.num_replicas_in_sync)
@@ -174,12 +175,9 @@ def test_dash_p_reads_the_flavour_a_conftest_sets(pytester):
     # `-p keras_mgpu.testing` imports keras_mgpu before conftest.py runs;
     # the flavour is read again after it (no component was built yet).
     pytester.makeconftest(
-        "import os\n"
-        'os.environ["TF_USE_LEGACY_KERAS"] = "1"\n'
-        "import tensorflow as tf\n"
-        "tf.config.threading.set_intra_op_parallelism_threads(1)\n"
+        'import os\nos.environ["TF_USE_LEGACY_KERAS"] = "1"\n'
     )
-    pytester.makepyfile(test_user=_CONFTEST_CHOICES_HOLD)
+    pytester.makepyfile(test_user="THREADS = 0\n" + _CONFTEST_CHOICES_HOLD)
     result = _run(pytester, "-p", "keras_mgpu.testing")
     result.assert_outcomes(passed=1)
     assert _devices(result) == 4
