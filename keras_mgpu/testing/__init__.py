@@ -13,9 +13,14 @@ Installing keras_mgpu changes no one's other tests: without activation,
 TensorFlow is not imported by the plugin and sees one CPU device.
 
 Once active, the host CPU is split into devices before the backend's
-runtime starts (TensorFlow: logical CPU devices; JAX: `XLA_FLAGS`
-`--xla_force_host_platform_device_count`; a clear error if something started
-it first), and these fixtures exist:
+runtime starts, without starting it and without importing keras_mgpu
+before your `conftest.py` files ran, so they can still choose the Keras
+flavour (`TF_USE_LEGACY_KERAS`) and the runtime's options (threads, GPU
+memory growth, `jax_num_cpu_devices`). TensorFlow: logical CPU devices,
+recorded right after TensorFlow is imported (a conftest.py may build
+tensors at import). JAX: `XLA_FLAGS` `--xla_force_host_platform_device_count`,
+set before the conftest.py files. A clear error if something started the
+runtime first with another number of devices. These fixtures exist:
 
 - `strategy`: parametrised over the matrix of the running backend (ids in
   the test names: `test_x[mirrored_2]`); `strategy_name` gives the id.
@@ -52,14 +57,15 @@ it first), and these fixtures exist:
 The same helpers are plain functions here (`run_workers`,
 `assert_trains_like`, `mirrored_strategy`, `make_strategy`,
 `configure_cpu_devices`) for use outside fixtures, with `set_random_seed`
-(Keras's, without importing TensorFlow on JAX). Works with Keras 3
-(TensorFlow or JAX backend) and tf_keras (the flavour the test process runs)
-and with pytest-xdist (each xdist process configures its own devices).
+(Keras's, without importing TensorFlow on JAX). The helpers need no
+pytest: `import keras_mgpu.testing` works where pytest is not installed
+(the plugin's hooks and fixtures live in `keras_mgpu.testing.plugin`).
+Works with Keras 3 (TensorFlow or JAX backend) and tf_keras (the flavour
+the test process runs) and with pytest-xdist (each xdist process
+configures its own devices).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from keras_mgpu.testing.devices import (
     DEFAULT_CPU_DEVICES,
@@ -90,138 +96,23 @@ __all__ = [
     "set_random_seed",
 ]
 
-import pytest  # noqa: E402  (the plugin needs it; the helpers do not)
-
-INI_OPTION = "keras_mgpu_cpu_devices"
-
-
-def add_options(parser: Any) -> None:
-    """The plugin's ini and command-line options (also registered by the
-    `keras_mgpu_pytest` entry point, so they exist before activation)."""
-    parser.addini(
-        INI_OPTION,
-        "keras_mgpu.testing: logical CPU devices to split the host into "
-        "(setting it activates the plugin)",
-        default="",
+# The pytest plugin (hooks and fixtures), when pytest is installed: the
+# helpers above work without it (pytest is not a dependency of keras_mgpu).
+try:
+    import pytest as _pytest  # noqa: F401
+except ImportError:  # pragma: no cover - depends on the environment
+    pass
+else:
+    from keras_mgpu.testing.plugin import (  # noqa: E402, F401
+        activate,
+        cpu_devices,
+        mirrored_strategy_factory,
+        pytest_addoption,
+        pytest_configure,
+        pytest_load_initial_conftests,
+        pytest_report_header,
+        pytest_sessionfinish,
+        run_workers_fixture,
+        strategy,
+        strategy_name,
     )
-    try:
-        parser.addoption(
-            "--keras-mgpu-cpu-devices",
-            type=int,
-            default=None,
-            metavar="N",
-            help="keras_mgpu.testing: logical CPU devices (default 4)",
-        )
-    except ValueError:  # already added by the entry point
-        pass
-
-
-def cpu_device_count(config: Any) -> int:
-    """Devices asked for: the command line, else the ini file, else 4."""
-    given = config.getoption("--keras-mgpu-cpu-devices", default=None)
-    if given is None:
-        text = str(config.getini(INI_OPTION) or "").strip()
-        given = int(text) if text else DEFAULT_CPU_DEVICES
-    if given < 1:
-        raise pytest.UsageError(
-            f"{INI_OPTION} / --keras-mgpu-cpu-devices must be >= 1. "
-            f"Received: {given}"
-        )
-    return given
-
-
-def pytest_addoption(parser: Any) -> None:
-    add_options(parser)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_load_initial_conftests(early_config: Any) -> None:
-    # Before any conftest.py runs: the devices must exist before
-    # TensorFlow's runtime starts.
-    activate(early_config)
-
-
-def activate(config: Any) -> None:
-    """Configure the devices once per process (idempotent)."""
-    if getattr(config, "_keras_mgpu_devices", None) is not None:
-        return
-    try:
-        config._keras_mgpu_devices = configure_cpu_devices(
-            cpu_device_count(config)
-        )
-    except RuntimeError as exc:
-        raise pytest.UsageError(str(exc)) from None
-
-
-def pytest_configure(config: Any) -> None:
-    activate(config)  # when activated after the initial conftests
-
-
-def pytest_sessionfinish(session: Any) -> None:
-    from keras_mgpu.testing.workers import kill_all
-
-    kill_all()
-
-
-def pytest_report_header(config: Any) -> str:
-    from keras_mgpu.testing.devices import requested_backend
-
-    devices = getattr(config, "_keras_mgpu_devices", None) or []
-    kind = "JAX CPU" if requested_backend() == "jax" else "logical CPU"
-    return f"keras_mgpu.testing: {len(devices)} {kind} devices"
-
-
-# ----------------------------------------------------------------------
-# Fixtures
-# ----------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def cpu_devices(pytestconfig: Any) -> list[str]:
-    """The logical CPU device names the plugin configured."""
-    return list(pytestconfig._keras_mgpu_devices)
-
-
-@pytest.fixture(params=STRATEGY_NAMES)
-def strategy(request: Any) -> Any:
-    """Each entry of the running backend's matrix (test ids:
-    `[mirrored_2]`, `[data_parallel_2]`, ...), not entered: use
-    `with strategy.scope():`. Entries needing more devices than configured
-    are skipped."""
-    from keras_mgpu.testing.strategies import (
-        available_devices,
-        devices_needed,
-    )
-
-    needed, have = devices_needed(request.param), available_devices()
-    if needed > have:
-        pytest.skip(
-            f"{request.param} needs {needed} CPU devices; {have} configured "
-            f"({INI_OPTION} = {have})"
-        )
-    return make_strategy(request.param)
-
-
-@pytest.fixture
-def strategy_name(strategy: Any, request: Any) -> str:
-    """The matrix name of the `strategy` in use."""
-    return request.node.callspec.params["strategy"]
-
-
-@pytest.fixture(name="mirrored_strategy")
-def mirrored_strategy_factory() -> Any:
-    """`mirrored_strategy(n)`: a MirroredStrategy of n replicas
-    (TensorFlow; on JAX it refuses, naming `DataParallel`)."""
-    from keras_mgpu.testing.strategies import running_backend
-
-    if running_backend() == "jax":
-        mirrored_strategy()  # raises BackendNotSupportedError, says why
-    return mirrored_strategy
-
-
-@pytest.fixture(name="run_workers")
-def run_workers_fixture() -> Any:
-    """`run_workers(fn, num_workers=2, *args, timeout=..., chief=False)`
-    (TensorFlow; on JAX it refuses)."""
-    from keras_mgpu.testing.workers import _refuse_off_tensorflow
-
-    _refuse_off_tensorflow()
-    return run_workers

@@ -166,7 +166,18 @@ def make_strategy(name: str) -> Any:
         )
     if backend == "jax":
         return _make_distribution(name)
+    _check_devices(name, available_devices())
     return _make_tf_strategy(name)
+
+
+def _check_devices(name: str, have: int) -> None:
+    needed = devices_needed(name)
+    if needed > have:
+        raise ValueError(
+            f"Strategy {name!r} needs {needed} CPU devices; {have} are "
+            f"configured (keras_mgpu_cpu_devices = {have}). Configure more, "
+            "or pick a smaller entry."
+        )
 
 
 def _make_tf_strategy(name: str) -> Any:
@@ -247,12 +258,7 @@ def _make_distribution(name: str) -> Any:
         return NoDistribution()
     devices = keras.distribution.list_devices("cpu")
     needed = devices_needed(name)
-    if needed > len(devices):
-        raise ValueError(
-            f"Strategy {name!r} needs {needed} CPU devices; "
-            f"{len(devices)} are configured (keras_mgpu_cpu_devices = "
-            f"{len(devices)}). Configure more, or pick a smaller entry."
-        )
+    _check_devices(name, len(devices))
     match = _DATA_PARALLEL.match(name)
     if match:
         return keras.distribution.DataParallel(devices=devices[:needed])

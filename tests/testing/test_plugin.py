@@ -109,6 +109,94 @@ def test_tensorflow_started_first_is_a_clear_error(pytester):
     )
 
 
+# A conftest.py that chooses what must precede TensorFlow's runtime and
+# keras_mgpu's flavour (issue 31, items 4 and 5), then starts the runtime.
+_CHOOSING_CONFTEST = """
+import os
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+import tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(1)
+for gpu in tf.config.list_physical_devices("GPU"):
+    tf.config.experimental.set_memory_growth(gpu, True)
+print("CONFTEST DEVICES", len(tf.config.list_logical_devices("CPU")))
+"""
+
+_CONFTEST_CHOICES_HOLD = """
+def test_conftest_choices_hold(cpu_devices):
+    import tensorflow as tf
+    import tf_keras
+    import keras_mgpu
+    assert tf.config.threading.get_intra_op_parallelism_threads() == THREADS
+    keras_mgpu.RecomputeGrad(tf_keras.layers.Dense(2))  # tf_keras flavour
+    print("DEVICES", len(cpu_devices))
+"""
+
+
+def test_a_conftest_chooses_threads_and_flavour_and_two_devices_skip(
+    pytester,
+):
+    # Activated by the ini option (the entry point): nothing of TensorFlow
+    # or keras_mgpu runs before conftest.py; the CPU is split as soon as
+    # conftest.py imports TensorFlow, so it may build tensors at import.
+    pytester.makeini("[pytest]\nkeras_mgpu_cpu_devices = 2\n")
+    pytester.makeconftest(_CHOOSING_CONFTEST)
+    pytester.makepyfile(
+        test_user="THREADS = 1\n"
+        + _CONFTEST_CHOICES_HOLD
+        + """
+def test_matrix(strategy, strategy_name):
+    print("RAN", strategy_name, strategy.num_replicas_in_sync)
+
+def test_too_large_an_entry_by_name_is_named():
+    import pytest
+    from keras_mgpu.testing import make_strategy
+    with pytest.raises(ValueError, match="'mirrored_4' needs 4 CPU devices; "
+                       "2 are configured .keras_mgpu_cpu_devices = 2"):
+        make_strategy("mirrored_4")
+"""
+    )
+    result = _run(pytester, "-v", "-rs")
+    result.assert_outcomes(passed=6, skipped=1)
+    result.stdout.fnmatch_lines(["CONFTEST DEVICES 2"])
+    result.stdout.fnmatch_lines(["*keras_mgpu.testing: 2 logical CPU devices*"])
+    assert _devices(result) == 2
+    for name, replicas in (("mirrored_2", 2), ("central_storage", 2)):
+        result.stdout.fnmatch_lines([f"*RAN {name} {replicas}*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*test_matrix?mirrored_4? SKIPPED*",
+            "*mirrored_4 needs 4 CPU devices; 2 configured "
+            "(keras_mgpu_cpu_devices = 2)*",
+        ]
+    )
+
+
+def test_dash_p_reads_the_flavour_a_conftest_sets(pytester):
+    # `-p keras_mgpu.testing` imports keras_mgpu before conftest.py runs;
+    # the flavour is read again after it (no component was built yet).
+    pytester.makeconftest(
+        'import os\nos.environ["TF_USE_LEGACY_KERAS"] = "1"\n'
+    )
+    pytester.makepyfile(test_user="THREADS = 0\n" + _CONFTEST_CHOICES_HOLD)
+    result = _run(pytester, "-p", "keras_mgpu.testing")
+    result.assert_outcomes(passed=1)
+    assert _devices(result) == 4
+
+
+def test_a_bad_device_count_is_a_usage_error(pytester):
+    pytester.makeini("[pytest]\nkeras_mgpu_cpu_devices = four\n")
+    pytester.makepyfile(test_any="def test_x():\n    pass\n")
+    result = _run(pytester)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            "*keras_mgpu_cpu_devices must be a whole number >= 1*"
+            "Received: keras_mgpu_cpu_devices='four'*"
+        ]
+    )
+    assert "Traceback" not in result.stderr.str()
+
+
 def test_works_with_pytest_xdist(pytester):
     body = """
 def test_devices():

@@ -119,6 +119,11 @@ def _run(pytester, *args):
 @pytest.mark.slow
 def test_a_user_project_with_two_devices(pytester):
     pytester.makeini("[pytest]\nkeras_mgpu_cpu_devices = 2\n")
+    # What must precede JAX's start, chosen in conftest.py (the plugin
+    # only sets XLA_FLAGS before it, and starts JAX at no point).
+    pytester.makeconftest(
+        "import jax\njax.config.update('jax_num_cpu_devices', 2)\n"
+    )
     pytester.makepyfile(test_user=_USER_TESTS)
     result = _run(pytester, "-v", "-rs")
     # default, data_parallel_1, data_parallel_2 run; the 4-device entries
