@@ -9,10 +9,22 @@ import sys
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    if spec["cpu_devices"] > 1:
+    if spec["cpu_devices"] > 1 and spec.get("backend") != "jax":
         from keras_mgpu.testing.devices import configure_cpu_devices
 
         configure_cpu_devices(spec["cpu_devices"])
+    if spec.get("backend") == "jax":
+        # XLA_FLAGS (devices) came with the environment. Join the cluster
+        # before anything starts JAX's backend, with waits
+        # bounded by the caller's timeout.
+        from keras_mgpu.distribute.cluster import start_cluster
+
+        seconds = max(int(spec["timeout"]), 1)
+        start_cluster(
+            initialization_timeout=seconds,
+            heartbeat_timeout=min(seconds, 60),
+            distribution=None,
+        )
     module_name, qualname = spec["target"].split(":")
     function = importlib.import_module(module_name)
     for part in qualname.split("."):
