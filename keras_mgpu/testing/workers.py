@@ -284,28 +284,6 @@ def _stop_reaper(reaper: subprocess.Popen, workdir: str) -> None:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _die_with_parent(parent: int) -> Callable[[], None] | None:
-    """A `preexec_fn` that makes the child get SIGKILL when its parent
-    dies (Linux `prctl(PR_SET_PDEATHSIG)`); None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-
-    def preexec() -> None:
-        os.setsid()  # its own process group, killed as one
-        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before prctl
-            os._exit(1)
-
-    return preexec
-
-
 def _start(spec, cluster_env, env, log, reaper):
     child_env = dict(os.environ)
     for name in _CLUSTER_VARIABLES:
@@ -314,15 +292,14 @@ def _start(spec, cluster_env, env, log, reaper):
     child_env.update(cluster_env)
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    preexec = _die_with_parent(os.getpid())
+    spec = dict(spec, parent=os.getpid())
     proc = subprocess.Popen(
         [sys.executable, "-m", "keras_mgpu.testing._child", json.dumps(spec)],
         env=child_env,
         cwd=os.getcwd(),
         stdout=log,
         stderr=subprocess.STDOUT,
-        preexec_fn=preexec,
-        start_new_session=preexec is None,
+        start_new_session=True,  # its own process group, killed as one
     )
     _tell_reaper(reaper, f"+{proc.pid}")
     with _LIVE_LOCK:

@@ -70,6 +70,7 @@ def _epoch_ids(dataset, epochs):
     """Per epoch, the sample ids (column 0) of every batch in order."""
     orders = []
     for _ in range(epochs):
+        dataset.on_epoch_begin()
         epoch = []
         for index in range(len(dataset)):
             batch = dataset[index]

@@ -35,9 +35,7 @@ def initialize(
 
     if cpu_collectives is not None:
         # Read when the CPU client is created: set before anything runs.
-        jax.config.update(
-            "jax_cpu_collectives_implementation", cpu_collectives
-        )
+        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
