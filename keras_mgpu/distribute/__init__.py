@@ -24,6 +24,7 @@ from keras_mgpu.distribute.multi_worker_fit import (
     enable_multi_worker_fit,
     multi_worker_fit_enabled,
 )
+from keras_mgpu.distribute.process_data import shard_across_processes
 from keras_mgpu.distribute.strategy import (
     accumulation_steps_of,
     current_strategy,
@@ -33,7 +34,6 @@ from keras_mgpu.distribute.strategy import (
     strategy_kind,
     worker_info,
 )
-from keras_mgpu.distribute.process_data import shard_across_processes
 
 __all__ = [
     "ClusterSpec",

@@ -5,10 +5,10 @@ batch (accumulation, warmup and a memory monitor included)."""
 
 from __future__ import annotations
 
+import jax_cluster_bodies as bodies
 import numpy as np
 import pytest
 
-import jax_cluster_bodies as bodies
 from keras_mgpu.testing import run_workers
 
 pytestmark = pytest.mark.slow
