@@ -35,3 +35,27 @@ def test_variables_parse_on_tensorflow_too():
     assert cluster_from_environment(environ, coordinator_port=9) == (
         ClusterSpec("n1:9", 2, 1, "slurm")
     )
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_tf_data_batches_are_cut_per_process(index):
+    """The tf.data path of shard_across_processes (the JAX cluster test
+    does not import TensorFlow): process `index` of 2 keeps its half of
+    every global batch; a batch that does not split is an error."""
+    from types import SimpleNamespace
+
+    import tensorflow as tf
+
+    from keras_mgpu.distribute.process_data import _tf_dataset_slices
+
+    layout = SimpleNamespace(num_processes=2, index=index, parallel=4, unit=4)
+    ids = np.arange(16, dtype="float32")
+    data = tf.data.Dataset.from_tensor_slices((ids, ids)).batch(8)
+    got = [x.numpy().tolist() for x, _ in _tf_dataset_slices(data, layout)]
+    assert got == [
+        ids[start + 4 * index : start + 4 * index + 4].tolist()
+        for start in (0, 8)
+    ]
+    uneven = tf.data.Dataset.from_tensor_slices(ids[:6]).batch(6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="multiple of 4"):
+        list(_tf_dataset_slices(uneven, layout))
