@@ -174,10 +174,11 @@ def enable_multi_worker_fit() -> bool:
         "enable_multi_worker_fit",
         ("tensorflow",),
         instead=(
-            "keras_mgpu.distribute.start_cluster() (in place of "
-            "keras.distribution.initialize(), with bounded waits and gloo "
-            "on CPU) and keras_mgpu.distribute.shard_across_processes() for "
-            "NumPy arrays, PyDatasets and generators; " + ON_JAX_MULTI_PROCESS
+            "keras_mgpu.distribute.start_cluster() (keras.distribution."
+            "initialize() with bounded waits and gloo on CPU; it returns a "
+            "DataParallel over every process's devices) and "
+            "keras_mgpu.distribute.shard_across_processes() for NumPy "
+            "arrays, PyDatasets and generators"
         ),
     )
     keras = _keras3()
