@@ -5,6 +5,9 @@ batch (accumulation, warmup and a memory monitor included)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import jax_cluster_bodies as bodies
 import numpy as np
 import pytest
@@ -15,10 +18,19 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    return run_workers(
-        "jax_cluster_bodies:run_all", 2, timeout=240, cpu_devices=2
-    )
+def cluster(tmp_path_factory):
+    # run_workers's temporary folder goes under this one, and must be gone
+    # when it returns (issue 31 item 6: they were never deleted).
+    scratch = tmp_path_factory.mktemp("run_workers_tmp")
+    saved, tempfile.tempdir = tempfile.tempdir, str(scratch)
+    try:
+        results = run_workers(
+            "jax_cluster_bodies:run_all", 2, timeout=240, cpu_devices=2
+        )
+    finally:
+        tempfile.tempdir = saved
+    assert os.listdir(scratch) == []
+    return results
 
 
 def _global_batches(cluster, key):
