@@ -51,7 +51,8 @@ runtime first with another number of devices. These fixtures exist:
   an importable function in real processes forming a multi-worker cluster
   on 127.0.0.1 (`chief=True` for a chief + workers cluster), returns their
   results, shows their output when one fails and kills the whole process
-  group on time-out or failure. TensorFlow only for now; on JAX it refuses.
+  group on time-out or failure. On JAX (`KERAS_BACKEND=jax`) the processes
+  form a `jax.distributed` cluster (gloo CPU collectives) instead.
 - `cpu_devices`: the device names.
 
 The same helpers are plain functions here (`run_workers`,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-_LIVE: set[subprocess.Popen] = set()
+_LIVE: dict[subprocess.Popen, subprocess.Popen] = {}
 _LIVE_LOCK = threading.Lock()
 
 
@@ -91,17 +92,34 @@ def run_workers(
     env: dict[str, str] | None = None,
     cpu_devices: int = 1,
 ) -> list[Any]:
-    """Call `fn(*args)` in `num_workers` real processes forming a
-    `MultiWorkerMirroredStrategy` cluster on 127.0.0.1; return their results.
+    """Call `fn(*args)` in `num_workers` real processes forming a cluster on
+    127.0.0.1; return their results.
 
-    Each process gets its own `TF_CONFIG` (worker-only, or `chief:0` plus
-    workers with `chief=True`), the parent's `sys.path` (so test modules
-    import) and `cpu_devices` logical CPU devices, then imports `fn` and
-    calls it; `fn` builds its strategy
-    (`tf.distribute.MultiWorkerMirroredStrategy()`) and returns something
-    picklable. Results come back in task order. Every process runs in a
-    process group of its own, killed when the call returns, raises, times
-    out or is interrupted: nothing is left behind.
+    TensorFlow: a `MultiWorkerMirroredStrategy` cluster. Each process gets
+    its own `TF_CONFIG` (worker-only, or `chief:0` plus workers with
+    `chief=True`); `fn` builds its strategy
+    (`tf.distribute.MultiWorkerMirroredStrategy()`).
+
+    JAX (`KERAS_BACKEND=jax` in the caller): a `jax.distributed` cluster.
+    Each process gets `KERAS_BACKEND=jax`, `cpu_devices` JAX CPU devices
+    (`XLA_FLAGS`) and Keras's `KERAS_DISTRIBUTION_JOB_ADDRESSES` (process
+    0's free port), `_NUM_PROCESSES` and `_PROCESS_ID`, and joins the
+    cluster with `keras_mgpu.distribute.start_cluster` (gloo CPU
+    collectives, waits bounded by `timeout`) before `fn` runs: `fn` builds
+    its `keras.distribution.DataParallel(devices=jax.devices())` over
+    every process's devices. `chief=True` is refused (process 0 is the
+    coordinator).
+
+    Every process also gets the parent's `sys.path` (so test modules
+    import), imports `fn` and calls it; `fn` returns something picklable.
+    Results come back in process order. Every process runs in a process
+    group of its own, killed when the call returns, raises, times out or is
+    interrupted, and its temporary folder deleted: nothing is left behind,
+    also when the caller itself dies (SIGTERM, SIGKILL, `os._exit` from
+    pytest-timeout's thread method): on Linux the workers get SIGKILL with
+    their parent (`PR_SET_PDEATHSIG`), and a small reaper process that holds
+    a pipe from the caller kills the process groups and deletes the folder
+    when the pipe closes.
 
     Args:
         fn: an importable top-level function, or "module:function".
@@ -109,34 +127,32 @@ def run_workers(
         *args: picklable arguments passed to `fn` in every process.
         timeout: float > 0, seconds for the whole cluster.
         chief: bool, make the first process `chief:0` (Kubeflow's TFJob
-            shape) instead of `worker:0`. Defaults to False.
+            shape) instead of `worker:0`. TensorFlow only. Defaults to
+            False.
         env: extra environment variables for the processes.
-        cpu_devices: int >= 1, logical CPU devices per process.
+        cpu_devices: int >= 1, CPU devices per process.
 
     Returns:
         A list with each process's return value.
 
-    TensorFlow only for now: on JAX it raises `BackendNotSupportedError`
-    (clusters of JAX processes, `keras.distribution.initialize()`, are a
-    later issue).
-
     Raises:
         WorkersFailed: a process raised or died (its output and traceback
             in the message), or the cluster did not finish in `timeout`.
-        BackendNotSupportedError: on the JAX backend.
+        ValueError: a bad argument.
 
     Example:
 
     ```python
     def train(scale):   # at the top level of a test module
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        # on JAX: keras.distribution.DataParallel(devices=jax.devices())
         ...
         return float(loss)
 
     losses = keras_mgpu.testing.run_workers(train, 2, 0.5, timeout=60)
     ```
     """
-    _refuse_off_tensorflow()
+    backend = _worker_backend()
     target = _target_of(fn)
     for name, value, low in (
         ("num_workers", num_workers, 1),
@@ -152,68 +168,142 @@ def run_workers(
             f"Argument `timeout` must be a number > 0. Received: "
             f"timeout={timeout!r}"
         )
-    configs = cluster_tf_configs(num_workers, chief)
+    if backend == "jax":
+        if chief:
+            raise ValueError(
+                "Argument `chief` is for TensorFlow clusters (TF_CONFIG): a "
+                "JAX cluster's process 0 is its coordinator. Received: "
+                "chief=True with KERAS_BACKEND=jax"
+            )
+        envs = jax_cluster_envs(num_workers)
+        for cluster_env in envs:
+            cluster_env["XLA_FLAGS"] = _with_device_count(
+                (env or {}).get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")),
+                cpu_devices,
+            )
+    else:
+        envs = [
+            {"TF_CONFIG": json.dumps(config)}
+            for config in cluster_tf_configs(num_workers, chief)
+        ]
     workdir = tempfile.mkdtemp(prefix="keras_mgpu_workers_")
-    with open(os.path.join(workdir, "args.pkl"), "wb") as f:
-        pickle.dump(args, f)
+    reaper = _start_reaper(workdir)
     procs, logs = [], []
     try:
-        for index, config in enumerate(configs):
+        with open(os.path.join(workdir, "args.pkl"), "wb") as f:
+            pickle.dump(args, f)
+        for index, cluster_env in enumerate(envs):
             log = open(os.path.join(workdir, f"log_{index}.txt"), "w+")
             logs.append(log)
-            procs.append(
-                _start(target, workdir, index, config, env, cpu_devices, log)
-            )
+            spec = {
+                "target": target,
+                "workdir": workdir,
+                "index": index,
+                "cpu_devices": cpu_devices,
+                "backend": backend,
+                "timeout": timeout,
+            }
+            procs.append(_start(spec, cluster_env, env, log, reaper))
         _wait(procs, logs, timeout, target)
         return [_result(workdir, i, logs) for i in range(len(procs))]
     finally:
         for proc in procs:
-            _kill(proc)
+            _kill(proc, reaper)
         for log in logs:
             log.close()
+        _stop_reaper(reaper, workdir)
 
 
-def _refuse_off_tensorflow() -> None:
+def _worker_backend() -> str:
     from keras_mgpu.testing.strategies import running_backend
 
-    if running_backend() != "tensorflow":
-        from keras_mgpu.backend import ON_JAX_MULTI_PROCESS, require_backend
-
-        require_backend(
-            "keras_mgpu.testing.run_workers",
-            ("tensorflow",),
-            instead=(
-                f"{ON_JAX_MULTI_PROCESS} (a multi-process test harness for "
-                "JAX is planned, issue 29; in one process, the `strategy` "
-                "fixture's data_parallel_<n> entries)"
-            ),
-        )
+    return "jax" if running_backend() == "jax" else "tensorflow"
 
 
-def _start(target, workdir, index, config, env, cpu_devices, log):
+def jax_cluster_envs(num_processes: int) -> list[dict[str, str]]:
+    """Keras's `KERAS_DISTRIBUTION_*` variables for each process of a JAX
+    cluster on 127.0.0.1, process 0 (the coordinator) on a free port."""
+    (port,) = free_ports(1)
+    return [
+        {
+            "KERAS_BACKEND": "jax",
+            "KERAS_DISTRIBUTION_JOB_ADDRESSES": f"127.0.0.1:{port}",
+            "KERAS_DISTRIBUTION_NUM_PROCESSES": str(num_processes),
+            "KERAS_DISTRIBUTION_PROCESS_ID": str(index),
+        }
+        for index in range(num_processes)
+    ]
+
+
+def _with_device_count(flags: str, count: int) -> str:
+    import re
+
+    flag = "--xla_force_host_platform_device_count"
+    flags = re.sub(rf"{flag}=\S+", "", flags).strip()
+    return f"{flags} {flag}={count}".strip()
+
+
+_CLUSTER_VARIABLES = (
+    "TF_CONFIG",
+    "KERAS_DISTRIBUTION_JOB_ADDRESSES",
+    "KERAS_DISTRIBUTION_NUM_PROCESSES",
+    "KERAS_DISTRIBUTION_PROCESS_ID",
+)
+
+
+def _start_reaper(workdir: str) -> subprocess.Popen:
+    script = os.path.join(os.path.dirname(__file__), "_reaper.py")
+    return subprocess.Popen(
+        [sys.executable, "-I", script, workdir],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,  # a signal to our group must not reach it
+    )
+
+
+def _tell_reaper(reaper: subprocess.Popen, line: str) -> None:
+    try:
+        reaper.stdin.write(line + "\n")
+        reaper.stdin.flush()
+    except (BrokenPipeError, OSError, ValueError):
+        pass
+
+
+def _stop_reaper(reaper: subprocess.Popen, workdir: str) -> None:
+    try:
+        reaper.stdin.close()
+    except (BrokenPipeError, OSError):
+        pass
+    try:
+        reaper.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        reaper.kill()
+        reaper.wait()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start(spec, cluster_env, env, log, reaper):
     child_env = dict(os.environ)
+    for name in _CLUSTER_VARIABLES:
+        child_env.pop(name, None)
     child_env.update(env or {})
-    child_env["TF_CONFIG"] = json.dumps(config)
+    child_env.update(cluster_env)
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    spec = json.dumps(
-        {
-            "target": target,
-            "workdir": workdir,
-            "index": index,
-            "cpu_devices": cpu_devices,
-        }
-    )
+    spec = dict(spec, parent=os.getpid())
     proc = subprocess.Popen(
-        [sys.executable, "-m", "keras_mgpu.testing._child", spec],
+        [sys.executable, "-m", "keras_mgpu.testing._child", json.dumps(spec)],
         env=child_env,
         cwd=os.getcwd(),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group, killed as one
     )
+    _tell_reaper(reaper, f"+{proc.pid}")
     with _LIVE_LOCK:
-        _LIVE.add(proc)
+        _LIVE[proc] = reaper
     return proc
 
 
@@ -253,24 +343,27 @@ def _result(workdir: str, index: int, logs) -> Any:
         return pickle.load(f)
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _kill(proc: subprocess.Popen, reaper: subprocess.Popen | None) -> None:
+    # The whole group: whatever the worker started goes too. Only while
+    # the group's leader is unreaped is its id certainly still ours.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     proc.wait()
+    if reaper is not None:
+        _tell_reaper(reaper, f"-{proc.pid}")
     with _LIVE_LOCK:
-        _LIVE.discard(proc)
+        _LIVE.pop(proc, None)
 
 
 def kill_all() -> None:
     """Kill every worker process `run_workers` started and has not reaped
     (the plugin calls it at the end of the session)."""
     with _LIVE_LOCK:
-        live = list(_LIVE)
-    for proc in live:
-        _kill(proc)
+        live = list(_LIVE.items())
+    for proc, reaper in live:
+        _kill(proc, reaper)
 
 
 def _outputs(logs) -> list[str]:

@@ -66,10 +66,11 @@ def test_unknown_names_and_too_many_devices_are_named():
 def test_tensorflow_helpers_refuse_pointing_at_data_parallel():
     with pytest.raises(BackendNotSupportedError, match="DataParallel"):
         mirrored_strategy(2)
-    with pytest.raises(
-        BackendNotSupportedError, match="run_workers does not support.*jax"
-    ):
-        run_workers("m:f", 2)
+    # run_workers starts JAX clusters (tests/testing/test_run_workers_jax.py,
+    # tests/distribute/test_jax_cluster_jax.py); only a TF_CONFIG chief
+    # has no JAX meaning.
+    with pytest.raises(ValueError, match="chief.*JAX cluster's process 0"):
+        run_workers("m:f", 2, chief=True)
 
 
 # ----------------------------------------------------------------------

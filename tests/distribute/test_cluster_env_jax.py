@@ -1,0 +1,255 @@
+"""`cluster_from_environment`, `start_cluster` and `shard_across_processes`
+in one process: the launchers' variables, bad input named, one process fed
+whole."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from keras_mgpu.distribute import (
+    ClusterSpec,
+    cluster_from_environment,
+    shard_across_processes,
+    start_cluster,
+)
+from keras_mgpu.distribute.cluster import (
+    DEFAULT_COORDINATOR_PORT,
+    first_slurm_host,
+)
+
+
+def _tf_config(cluster, task_type, index):
+    return {
+        "TF_CONFIG": json.dumps(
+            {"cluster": cluster, "task": {"type": task_type, "index": index}}
+        )
+    }
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({}, None),
+        (
+            {
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES": "10.0.0.1:1234",
+                "KERAS_DISTRIBUTION_NUM_PROCESSES": "4",
+                "KERAS_DISTRIBUTION_PROCESS_ID": "3",
+            },
+            ClusterSpec("10.0.0.1:1234", 4, 3, "keras"),
+        ),
+        (
+            {
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES": "a:1,b:2",
+                "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
+                "KERAS_DISTRIBUTION_PROCESS_ID": "1",
+                "TF_CONFIG": "ignored: Keras's variables come first",
+            },
+            ClusterSpec("a:1", 2, 1, "keras"),
+        ),
+        (
+            _tf_config({"worker": ["h0:5000", "h1:5001"]}, "worker", 1),
+            ClusterSpec("h0:5000", 2, 1, "tf_config"),
+        ),
+        (  # the chief is process 0 and the coordinator
+            _tf_config(
+                {"chief": ["c:7000"], "worker": ["w0:1", "w1:2"]}, "worker", 0
+            ),
+            ClusterSpec("c:7000", 3, 1, "tf_config"),
+        ),
+        (
+            {
+                "SLURM_NTASKS": "8",
+                "SLURM_PROCID": "5",
+                "SLURM_JOB_NODELIST": "gpu[07-10,12],cpu1",
+            },
+            ClusterSpec(f"gpu07:{DEFAULT_COORDINATOR_PORT}", 8, 5, "slurm"),
+        ),
+        (
+            {
+                "SLURM_NTASKS": "2",
+                "SLURM_PROCID": "0",
+                "SLURM_JOB_NODELIST": "all",
+                "SLURM_STEP_NODELIST": "node3",
+                "KERAS_MGPU_COORDINATOR_PORT": "4444",
+            },
+            ClusterSpec("node3:4444", 2, 0, "slurm"),
+        ),
+    ],
+)
+def test_the_launchers_variables(environ, expected):
+    assert cluster_from_environment(environ) == expected
+
+
+@pytest.mark.parametrize(
+    "environ, match",
+    [
+        (
+            {
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES": "10.0.0.1",
+                "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
+                "KERAS_DISTRIBUTION_PROCESS_ID": "0",
+            },
+            "KERAS_DISTRIBUTION_JOB_ADDRESSES.*'host:port'.*'10.0.0.1'",
+        ),
+        (
+            {
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES": "a:1",
+                "KERAS_DISTRIBUTION_NUM_PROCESSES": "two",
+                "KERAS_DISTRIBUTION_PROCESS_ID": "0",
+            },
+            "KERAS_DISTRIBUTION_NUM_PROCESSES.*>= 1.*'two'",
+        ),
+        (
+            {
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES": "a:1",
+                "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
+            },
+            "KERAS_DISTRIBUTION_PROCESS_ID.*None",
+        ),
+        (
+            {
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES": "a:1",
+                "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
+                "KERAS_DISTRIBUTION_PROCESS_ID": "2",
+            },
+            "KERAS_DISTRIBUTION_PROCESS_ID.*below "
+            "KERAS_DISTRIBUTION_NUM_PROCESSES=2.*=2",
+        ),
+        (
+            {
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES": "a:1,b:2,c:3",
+                "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
+                "KERAS_DISTRIBUTION_PROCESS_ID": "0",
+            },
+            "lists 3 addresses but KERAS_DISTRIBUTION_NUM_PROCESSES=2",
+        ),
+        ({"TF_CONFIG": "{not json"}, "TF_CONFIG.*JSON"),
+        (
+            _tf_config(
+                {"worker": ["a:1"], "evaluator": ["e:2"]}, "evaluator", 0
+            ),
+            "TF_CONFIG.*not a collective member.*evaluator",
+        ),
+        (
+            _tf_config({"worker": ["a:1"]}, "worker", 3),
+            "TF_CONFIG.*not a collective member",
+        ),
+        (
+            {
+                "SLURM_NTASKS": "2",
+                "SLURM_PROCID": "2",
+                "SLURM_JOB_NODELIST": "n1",
+            },
+            "SLURM_PROCID.*below SLURM_NTASKS=2",
+        ),
+        (
+            {"SLURM_NTASKS": "2", "SLURM_PROCID": "0"},
+            "SLURM_JOB_NODELIST",
+        ),
+        (
+            {
+                "SLURM_NTASKS": "2",
+                "SLURM_PROCID": "0",
+                "SLURM_JOB_NODELIST": "n[a-b]",
+            },
+            "SLURM_JOB_NODELIST.*node list",
+        ),
+        (
+            {
+                "SLURM_NTASKS": "2",
+                "SLURM_PROCID": "0",
+                "SLURM_JOB_NODELIST": "n1",
+                "KERAS_MGPU_COORDINATOR_PORT": "0",
+            },
+            "KERAS_MGPU_COORDINATOR_PORT.*>= 1",
+        ),
+    ],
+)
+def test_bad_variables_are_named(environ, match):
+    with pytest.raises(ValueError, match=match):
+        cluster_from_environment(environ)
+
+
+@pytest.mark.parametrize(
+    "nodelist, host",
+    [
+        ("n1", "n1"),
+        ("gpu[003-005]", "gpu003"),
+        ("a[9,2],b", "a9"),
+        ("x,y", "x"),
+    ],
+)
+def test_first_slurm_host(nodelist, host):
+    assert first_slurm_host(nodelist) == host
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"initialization_timeout": 0}, "initialization_timeout.*>= 1"),
+        ({"heartbeat_timeout": 1.5}, "heartbeat_timeout.*>= 1"),
+        ({"cpu_collectives": "nccl"}, "cpu_collectives.*'gloo'.*'nccl'"),
+        ({"distribution": "model_parallel"}, "distribution.*'data_parallel'"),
+    ],
+)
+def test_start_cluster_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        start_cluster({}, **kwargs)
+
+
+def test_start_cluster_without_variables_is_one_process():
+    import jax
+
+    distribution = start_cluster({})
+    assert list(distribution.device_mesh.devices.flat) == jax.devices()
+    assert start_cluster({}, distribution=None) is None
+    assert jax.process_count() == 1
+
+
+def test_one_process_gets_whole_batches_in_the_agreed_order():
+    x = np.arange(16, dtype="float32")[:, None]
+    data = shard_across_processes(x, x, batch_size=4, seed=1)
+    first = [data[i][0][:, 0].tolist() for i in range(len(data))]
+    order = np.random.default_rng([1, 0]).permutation(16)
+    assert first == [order[i : i + 4].tolist() for i in range(0, 16, 4)]
+    # the index asked for is ignored (fit(shuffle=True) reorders indices)
+    assert data[3][0][:, 0].tolist() != first[3] or len(data) == 1
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (
+            lambda: shard_across_processes(np.ones((4, 1))),
+            ValueError,
+            "batch_size.*>= 1.*None",
+        ),
+        (
+            lambda: shard_across_processes(
+                np.ones((4, 1)), batch_size=4, shuffle=1
+            ),
+            TypeError,
+            "shuffle",
+        ),
+        (
+            lambda: shard_across_processes(iter([]), batch_size=4),
+            ValueError,
+            "batch_size.*NumPy arrays only",
+        ),
+        (lambda: shard_across_processes(5), TypeError, "x.*int"),
+        (
+            lambda: shard_across_processes(
+                (np.ones((4, 1)), np.ones((5, 1))), batch_size=2
+            ),
+            ValueError,
+            "same number of rows.*4, 5",
+        ),
+    ],
+)
+def test_bad_data_arguments(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
