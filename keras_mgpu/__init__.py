@@ -51,6 +51,7 @@ _SUBMODULES = (
     "optimizers",
     "placement",
     "schedules",
+    "sharding",
 )
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
         optimizers,  # noqa: F401
         placement,  # noqa: F401
         schedules,  # noqa: F401
+        sharding,  # noqa: F401
     )
     from keras_mgpu.batch_size import (
         configure_batch,  # noqa: F401

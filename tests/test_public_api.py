@@ -27,6 +27,7 @@ PACKAGES = (
     "keras_mgpu.optimizers",
     "keras_mgpu.placement",
     "keras_mgpu.schedules",
+    "keras_mgpu.sharding",
     "keras_mgpu.testing",
 )
 
