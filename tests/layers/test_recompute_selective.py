@@ -87,9 +87,17 @@ X = tokens()
 BUILD = {"gpt2": gpt2, "llama": llama}
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "graph"])
-def test_bit_identical_to_plain_with_dropout(kind, compiled):
+@pytest.mark.parametrize(
+    "kind, compiled",
+    [
+        ("gpt2", False),
+        ("llama", False),
+        pytest.param("gpt2", True, marks=pytest.mark.slow),
+        pytest.param("llama", True, marks=pytest.mark.slow),
+    ],
+    ids=["gpt2-eager", "llama-eager", "gpt2-graph", "llama-graph"],
+)
+def test_equal_to_plain_with_dropout(kind, compiled):
     plain, model = BUILD[kind](), BUILD[kind]()
     config = model.get_config()
     assert apply_recompute(model, policy="selective") is model
@@ -107,6 +115,7 @@ def assert_close(actual: list, expected: list) -> None:
 
 def test_what_is_switched_and_strip_undoes_it():
     model = gpt2()
+    config = model.get_config()
     decoder = decoder_class("gpt2")
     apply_recompute(model, decoder, policy="selective")
     names = [layer.name for layer in recomputed_layers(model)]
@@ -123,7 +132,7 @@ def test_what_is_switched_and_strip_undoes_it():
         # The intermediate Dense keeps its product, recomputes its GELU.
         dense = block._feedforward_intermediate_dense
         assert "activation" in dense.__dict__
-    assert model.get_config() == gpt2().get_config()
+    assert model.get_config() == config
     strip_recompute(model)
     assert recomputed_layers(model) == []
     for layer in model._flatten_layers():
