@@ -100,6 +100,7 @@ def _step(model) -> list:
     return [np.asarray(loss), *map(np.asarray, grads), *map(np.asarray, new)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_gradients_and_seed_states_equal_plain(kind):
     plain, model = BUILD[kind](), BUILD[kind]()
@@ -151,6 +152,7 @@ def test_keeps_the_products_and_drops_the_attention_scores():
     assert total(ours_kept) < 0.6 * total(plain_kept)
 
 
+@pytest.mark.slow
 def test_fit_under_data_parallel_equals_plain():
     devices = keras.distribution.list_devices("cpu")
     distribution = keras.distribution.DataParallel(devices=devices)
