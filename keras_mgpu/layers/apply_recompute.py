@@ -194,13 +194,13 @@ def _matcher(
             # predicate and called on every layer of the model.
             if id(item) not in members:
                 twin = (
-                    " (it has a different layer of that name)"
+                    " (its layer of that name is another object)"
                     if item.name in known | nested
                     else ""
                 )
                 raise ValueError(
                     f"Argument `layers` holds layer {item.name!r}, which "
-                    f"is not a layer of model {owner!r}{twin}. Pass the "
+                    f"model {owner!r} does not have{twin}. Pass the "
                     "model's own layers, or their names. Received: "
                     f"layers={layers!r}"
                 )

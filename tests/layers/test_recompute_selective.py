@@ -199,8 +199,8 @@ def test_a_layer_of_another_model_named_alike_is_refused(in_place):
     model, other = _chain("mine"), _chain("other")
     with pytest.raises(
         ValueError,
-        match=r"layer 'dense_a', which is not a layer of model 'mine' "
-        r"\(it has a different layer of that name\)",
+        match=r"layer 'dense_a', which model 'mine' does not have \(its "
+        r"layer of that name is another object\)",
     ):
         apply_recompute(model, [other.get_layer("dense_a")], in_place=in_place)
     # The model's own layer is accepted.
