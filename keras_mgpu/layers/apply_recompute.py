@@ -320,6 +320,20 @@ def apply_recompute(
       2 sqrt(n), for the same one extra forward. On a chain of 32 Dense
       layers: segments of 8, 7, 6, 5, 4 and 2 layers, 9 activations stored
       at the peak against sqrt's 11 (`keras_mgpu.layers.min_memory_segments`).
+    - `"selective"` (in place, Keras 3; tf_keras is refused): inside each
+      chosen layer the outputs of matrix products (Dense, EinsumDense,
+      convolutions) are kept and the cheap, large rest is recomputed:
+      attention scores, softmax, attention dropout and the product with
+      the values, dropout masks, activations, normalization (Korthikanti
+      et al., 2022). JAX: the layer runs under `jax.checkpoint` with the
+      policy `keras_mgpu.backend.jax.recompute.save_matmuls`. TensorFlow:
+      each cheap part runs under its own `tf.custom_gradient` (norm,
+      dropout, softmax and activation layers; the attention core
+      `_compute_attention` of `MultiHeadAttention` and keras-hub
+      attention layers; a Dense's activation after its kept product).
+      Gradients equal the plain model's to float rounding, dropout masks
+      replayed. `keras_mgpu.apply_recompute(backbone,
+      keras_hub.layers.TransformerDecoder, policy="selective")`.
 
     Args:
         model: a `keras.Model`. `in_place=False`: Sequential or functional.
@@ -333,8 +347,8 @@ def apply_recompute(
             model (a layer is chosen when any item matches). In place,
             names may be those of nested layers; the rebuild only reaches
             the model's own layers.
-        policy: str, `"per_layer"` (default), `"sqrt"` or `"min_memory"`
-            (in place only).
+        policy: str, `"per_layer"` (default), `"sqrt"`, `"min_memory"`
+            or `"selective"` (the last two in place only).
         in_place: bool, default True. Switch the layers of `model` itself
             (False: return a rebuilt model).
         group_by: optional `fn(layer) -> key` (in place only). Chosen layers
