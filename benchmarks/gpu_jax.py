@@ -20,7 +20,11 @@ be reset) and prints one JSON line; all lines also go to `--out`:
   recompute policies, `keras.RematScope` and raw `jax.checkpoint`;
 - `check_gpu_monitors_jax.py`: the monitors on the real `memory_stats()`
   and NVML with XLA's preallocation on and off;
-- `bench_monitors_jax.py`: step time with each monitor on vs off.
+- `bench_monitors_jax.py`: step time with each monitor on vs off;
+- with `--selective` only: `bench_recompute_selective.py` (keras-hub GPT-2
+  and Llama backbones, plain / per-layer / selective / raw `jax.checkpoint`,
+  hidden 1024 seq 512 and hidden 256 seq 1024; needs keras-hub), not part of
+  the default run.
 (`bench_accumulation_jax.py` measures CPU devices; the `accumulation` case
 above is its GPU counterpart.)
 """
@@ -277,6 +281,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--case", choices=sorted(CASES))
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--selective",
+        action="store_true",
+        help="also run bench_recompute_selective.py (keras-hub models)",
+    )
     args = parser.parse_args()
     if args.case:  # one case, in this (fresh) process
         os.environ.update(
@@ -326,6 +335,27 @@ def main() -> int:
             ),
         ),
     ]
+    if args.selective:
+        selective = os.path.join(HERE, "bench_recompute_selective.py")
+        sizes = (
+            [["--quick"]]
+            if args.quick
+            else [
+                ["--hidden", "1024", "--seq", "512", "--batch", "4"],
+                ["--hidden", "256", "--seq", "1024", "--batch", "4"],
+            ]
+        )
+        for size in sizes:
+            plan.append(
+                (
+                    "bench_recompute_selective",
+                    lambda size=size: _run(
+                        [sys.executable, selective, "--rounds", "5", *size],
+                        "bench_recompute_selective",
+                        300,
+                    ),
+                )
+            )
     out = open(args.out, "w") if args.out else None
     failed = 0
     for _, run in plan:

@@ -1,13 +1,13 @@
 """`apply_recompute` / `strip_recompute`: recompute chosen layers of a model.
 
-Two modes. `in_place=True` switches the chosen layers, anywhere in the layer
-tree (nested functional models, keras-hub backbones inside task or user
-models, subclassed models' attributes), to recompute in the backward pass:
-the model keeps its class, config, weights and seed states
-(`recompute_in_place`). `in_place=False` (the default, as in 0.1) rebuilds a
-Sequential or functional model with its own chosen layers wrapped in
-`RecomputeGrad`, in the manner of TFMOT's `prune_low_magnitude` (`_rebuild`).
-`strip_recompute` undoes either.
+Two modes. `in_place=True` (the default since 0.2) switches the chosen
+layers, anywhere in the layer tree (nested functional models, keras-hub
+backbones inside task or user models, subclassed models' attributes), to
+recompute in the backward pass: the model keeps its class, config, weights
+and seed states (`recompute_in_place`). `in_place=False` (the default of
+0.1) rebuilds a Sequential or functional model with its own chosen layers
+wrapped in `RecomputeGrad`, in the manner of TFMOT's `prune_low_magnitude`
+(`_rebuild`). `strip_recompute` undoes either.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, Union
 
-from keras_mgpu._flavour import IS_TF_KERAS, check_flavour, keras
+from keras_mgpu._flavour import IS_TF_KERAS, TF_RUNS, check_flavour, keras
 from keras_mgpu._validation import check_choice
 from keras_mgpu.backend import require_backend
 from keras_mgpu.layers import _rebuild
@@ -26,9 +26,11 @@ from keras_mgpu.layers.recompute_in_place import (
     execution_order,
     graph_of,
     is_recomputed_in_place,
+    is_selective,
     is_switched_per_layer,
     recompute_layer_in_place,
     recompute_segments_in_place,
+    recompute_selective,
     reset_compiled_functions,
     restore_graph,
     restore_layer,
@@ -45,7 +47,7 @@ LayerSelector = Union[
     Iterable[Union[str, type, Callable[[Any], bool]]],
 ]
 
-POLICIES = ("per_layer", "sqrt", "min_memory")
+POLICIES = ("per_layer", "sqrt", "min_memory", "selective")
 SEGMENT_PREFIX = _rebuild.SEGMENT_PREFIX
 
 
@@ -159,9 +161,15 @@ def _check_class_kept(model: Any, new_model: Any, function: str) -> None:
 
 
 def _matcher(
-    layers: LayerSelector, known: set, owner: str, nested: set = frozenset()
+    layers: LayerSelector,
+    known: set,
+    owner: str,
+    nested: set = frozenset(),
+    members: set = frozenset(),
 ) -> Callable[[Any], bool]:
-    """Turn the `layers` argument into a predicate over layers."""
+    """Turn the `layers` argument into a predicate over layers (`known`:
+    names of the layers that can be chosen; `members`: their ids, against
+    which layer instances are checked)."""
     if layers is None:
         return lambda layer: True
     if isinstance(layers, (str, type)) or (
@@ -184,10 +192,16 @@ def _matcher(
         elif isinstance(item, keras.layers.Layer):
             # A layer is callable: without this it would be taken for a
             # predicate and called on every layer of the model.
-            if item.name not in known | nested:
+            if id(item) not in members:
+                twin = (
+                    " (its layer of that name is another object)"
+                    if item.name in known | nested
+                    else ""
+                )
                 raise ValueError(
                     f"Argument `layers` holds layer {item.name!r}, which "
-                    f"model {owner!r} does not have. Received: "
+                    f"model {owner!r} does not have{twin}. Pass the "
+                    "model's own layers, or their names. Received: "
                     f"layers={layers!r}"
                 )
             instances.add(id(item))
@@ -306,6 +320,20 @@ def apply_recompute(
       2 sqrt(n), for the same one extra forward. On a chain of 32 Dense
       layers: segments of 8, 7, 6, 5, 4 and 2 layers, 9 activations stored
       at the peak against sqrt's 11 (`keras_mgpu.layers.min_memory_segments`).
+    - `"selective"` (in place, Keras 3; tf_keras is refused): inside each
+      chosen layer the outputs of matrix products (Dense, EinsumDense,
+      convolutions) are kept and the cheap, large rest is recomputed:
+      attention scores, softmax, attention dropout and the product with
+      the values, dropout masks, activations, normalization (Korthikanti
+      et al., 2022). JAX: the layer runs under `jax.checkpoint` with the
+      policy `keras_mgpu.backend.jax.recompute.save_matmuls`. TensorFlow:
+      each cheap part runs under its own `tf.custom_gradient` (norm,
+      dropout, softmax and activation layers; the attention core
+      `_compute_attention` of `MultiHeadAttention` and keras-hub
+      attention layers; a Dense's activation after its kept product).
+      Gradients equal the plain model's to float rounding, dropout masks
+      replayed. `keras_mgpu.apply_recompute(backbone,
+      keras_hub.layers.TransformerDecoder, policy="selective")`.
 
     Args:
         model: a `keras.Model`. `in_place=False`: Sequential or functional.
@@ -319,8 +347,8 @@ def apply_recompute(
             model (a layer is chosen when any item matches). In place,
             names may be those of nested layers; the rebuild only reaches
             the model's own layers.
-        policy: str, `"per_layer"` (default), `"sqrt"` or `"min_memory"`
-            (in place only).
+        policy: str, `"per_layer"` (default), `"sqrt"`, `"min_memory"`
+            or `"selective"` (the last two in place only).
         in_place: bool, default True. Switch the layers of `model` itself
             (False: return a rebuilt model).
         group_by: optional `fn(layer) -> key` (in place only). Chosen layers
@@ -369,6 +397,8 @@ def apply_recompute(
             "in_place=True (the default), or policy='sqrt' to rebuild. "
             f"Received: policy='min_memory', in_place={in_place!r}"
         )
+    if policy == "selective":
+        _check_selective(model, in_place, group_by)
     if group_by is not None and not in_place:
         raise ValueError(
             "Argument `group_by` groups layers of a functional graph in "
@@ -380,6 +410,30 @@ def apply_recompute(
     return _apply_rebuild(model, layers, policy)
 
 
+def _check_selective(model: Any, in_place: bool, group_by: Any) -> None:
+    if not in_place:
+        raise ValueError(
+            "policy='selective' switches the parts inside the chosen "
+            "layers in place; pass in_place=True (the default). Received: "
+            f"policy='selective', in_place={in_place!r}"
+        )
+    if group_by is not None:
+        raise ValueError(
+            "policy='selective' recomputes inside each chosen layer; it "
+            "does not group layers. Drop `group_by`, or use policy='sqrt' "
+            f"or 'min_memory' with it. Received: policy='selective', "
+            f"group_by={group_by!r}"
+        )
+    if IS_TF_KERAS:
+        raise ValueError(
+            "policy='selective' needs Keras 3 (on TensorFlow or JAX): "
+            "under tf_keras the dropout masks of the parts it recomputes "
+            "cannot be replayed. Use policy='per_layer' (blocks without "
+            "Dropout) or Keras 3. Received: policy='selective' on tf_keras "
+            f"model {model.name!r}"
+        )
+
+
 def _apply_in_place(
     model: Any, layers: LayerSelector, policy: str, group_by: Callable | None
 ) -> Any:
@@ -388,7 +442,8 @@ def _apply_in_place(
     # `group_by` that is the top level, and with it the search goes down
     # into every sub-model whose own key is None (the blocks of a backbone
     # inside a classifier, the stages of a placed model).
-    match = _matcher(layers, known, model.name)
+    members = {id(layer) for layer in _walk(model)}
+    match = _matcher(layers, known, model.name, members=members)
     if group_by is not None:
         selected = match
         match = lambda layer: selected(layer) and group_by(layer) is not None  # noqa: E731
@@ -410,6 +465,16 @@ def _apply_in_place(
     for layer in chosen:
         # A chosen block recomputes everything inside it.
         _restore_in_place(layer)
+    if policy == "selective":
+        policy_fn = None
+        if not TF_RUNS:
+            from keras_mgpu.backend.jax.recompute import save_matmuls
+
+            policy_fn = save_matmuls
+        for layer in chosen:
+            recompute_selective(layer, policy_fn)
+        reset_compiled_functions(model)
+        return model
     placed: set = set()
     if policy != "per_layer" or group_by is not None:
         placed = _apply_segments(model, chosen, policy, group_by)
@@ -503,7 +568,13 @@ def _apply_rebuild(model: Any, layers: LayerSelector, policy: str) -> Any:
         )
     known = {layer.name for layer in model.layers}
     nested = {layer.name for layer in _walk(model)}
-    match = _matcher(layers, known, model.name, nested)
+    match = _matcher(
+        layers,
+        known,
+        model.name,
+        nested,
+        members={id(layer) for layer in _walk(model)},
+    )
 
     def chosen(layer: Any) -> bool:
         return (
@@ -609,6 +680,13 @@ def carry_recompute(
         for original, twin in zip(sources, copies, strict=True):
             if is_switched_per_layer(original):
                 recompute_layer_in_place(twin)
+            elif is_selective(original):
+                policy_fn = None
+                if not TF_RUNS:
+                    from keras_mgpu.backend.jax.recompute import save_matmuls
+
+                    policy_fn = save_matmuls
+                recompute_selective(twin, policy_fn)
             graph, twin_graph = graph_of(original), graph_of(twin)
             if graph is not None and twin_graph is not None:
                 _carry_segments(graph, twin_graph, what)

@@ -29,7 +29,7 @@ import types
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
-from keras_mgpu._flavour import IS_TF_KERAS, keras
+from keras_mgpu._flavour import IS_TF_KERAS, TF_RUNS, keras
 from keras_mgpu.layers._recompute_engine import (
     current_training,
     in_symbolic_build,
@@ -42,6 +42,9 @@ _CALL_MARK = "_keras_mgpu_recompute"
 _SEGMENT_MARK = "_keras_mgpu_recompute_segment"
 _PLAN = "_keras_mgpu_recompute_segments"
 _RUNNER = "_run_through_graph"
+_SELECTIVE_MARK = "_keras_mgpu_recompute_selective"
+_CORE_MARK = "_keras_mgpu_recompute_core"
+_ACTIVATION_MARK = "_keras_mgpu_recompute_activation"
 
 # Layers whose recomputation is running on this thread (replica threads of
 # MirroredStrategy trace and differentiate concurrently): their switched
@@ -74,17 +77,27 @@ def is_recomputed_in_place(layer: Any) -> bool:
     """Whether `layer` is switched to recompute in place (alone or as part
     of a recomputed segment)."""
     call = layer.__dict__.get("call")
-    return bool(getattr(call, _CALL_MARK, False)) or (
-        layer.__dict__.get(_SEGMENT_MARK) is not None
+    return (
+        bool(getattr(call, _CALL_MARK, False))
+        or layer.__dict__.get(_SEGMENT_MARK) is not None
+        or layer.__dict__.get(_SELECTIVE_MARK, False)
     )
 
 
 def is_switched_per_layer(layer: Any) -> bool:
-    """Whether `layer`'s own `call` is switched (not as a segment member)."""
-    return bool(getattr(layer.__dict__.get("call"), _CALL_MARK, False))
+    """Whether `layer`'s own `call` is switched to full recompute (not as a
+    segment member, not selectively)."""
+    return getattr(layer.__dict__.get("call"), _CALL_MARK, False) is True
 
 
-def _run_recomputed(layer: Any, class_call: Any, args, kwargs) -> Any:
+def is_selective(layer: Any) -> bool:
+    """Whether `layer` is a block switched by `recompute_selective`."""
+    return bool(layer.__dict__.get(_SELECTIVE_MARK, False))
+
+
+def _run_recomputed(
+    layer: Any, class_call: Any, args, kwargs, policy: Any = None
+) -> Any:
     original = functools.partial(class_call, layer)
     if id(layer) in _bypassed_ids() or in_symbolic_build():
         return original(*args, **kwargs)
@@ -107,16 +120,23 @@ def _run_recomputed(layer: Any, class_call: Any, args, kwargs) -> Any:
         with _bypass(layer):
             return layer(*call_args, **call_kwargs)
 
+    if policy is not None:
+        # Selective (JAX only): `jax.checkpoint` with a saving policy.
+        from keras_mgpu.backend.jax.recompute import recompute as on_jax
+
+        return on_jax(
+            forward, (list(args), dict(kwargs)), [layer], policy=policy
+        )
     return recompute(forward, (list(args), dict(kwargs)), [layer], again)
 
 
-def _recomputed_call(class_call: Any) -> Any:
+def _recomputed_call(class_call: Any, policy: Any = None) -> Any:
     # `wraps`: `inspect.signature(layer.call)` stays the class's.
     @functools.wraps(class_call)
     def call(self, *args, **kwargs):
-        return _run_recomputed(self, class_call, args, kwargs)
+        return _run_recomputed(self, class_call, args, kwargs, policy)
 
-    setattr(call, _CALL_MARK, True)
+    setattr(call, _CALL_MARK, True if policy is None else "selective")
     return call
 
 
@@ -137,10 +157,151 @@ def recompute_layer_in_place(layer: Any) -> None:
     object.__setattr__(layer, "call", method)
 
 
+# ---------------------------------------------------------------------------
+# Selective: keep the matrix products, recompute the cheap, large rest.
+# ---------------------------------------------------------------------------
+
+# Cheap to recompute and (with their internals) large to keep: normalization,
+# dropout (its mask), softmax, elementwise activations. keras-hub's own norms
+# (`LlamaLayerNorm`, `GemmaRMSNorm`, ...) are matched by class name.
+_CHEAP_CLASS_NAMES = (
+    "LayerNormalization",
+    "RMSNormalization",
+    "UnitNormalization",
+    "Dropout",
+    "Softmax",
+    "Activation",
+    "ReLU",
+    "LeakyReLU",
+    "ELU",
+)
+_CHEAP_NAME_ENDINGS = ("LayerNorm", "RMSNorm")
+
+
+def _is_cheap(layer: Any) -> bool:
+    for cls in type(layer).__mro__:
+        if cls.__name__ in _CHEAP_CLASS_NAMES and cls.__module__.startswith(
+            "keras"
+        ):
+            return not (
+                cls.__name__ == "Dropout" and not getattr(layer, "rate", 1.0)
+            )
+    return type(layer).__name__.endswith(_CHEAP_NAME_ENDINGS)
+
+
+def _has_attention_core(layer: Any) -> bool:
+    """`keras.layers.MultiHeadAttention` and its keras-hub subclasses
+    (`CachedMultiHeadAttention`), keras-hub's Llama/Mistral/Gemma attention:
+    the scores-softmax-dropout-product core is the method
+    `_compute_attention` (Keras 3.15 documents it as the override point;
+    keras-hub 0.32 names its own cores the same)."""
+    return callable(getattr(type(layer), "_compute_attention", None))
+
+
+def _nonlinear_activation(layer: Any) -> Any:
+    activation = layer.__dict__.get("activation")
+    if activation is None or not callable(activation):
+        return None
+    if getattr(activation, "__name__", "") == "linear":
+        return None
+    return activation
+
+
+def _switch_core(layer: Any) -> None:
+    class_core = type(layer)._compute_attention
+
+    @functools.wraps(class_core)
+    def core(self, *args, **kwargs):
+        if in_symbolic_build():
+            return class_core(self, *args, **kwargs)
+
+        def forward(structure):
+            call_args, call_kwargs = structure
+            return class_core(self, *call_args, **call_kwargs)
+
+        return recompute(forward, (list(args), dict(kwargs)), [self])
+
+    object.__setattr__(
+        layer, "_compute_attention", types.MethodType(core, layer)
+    )
+    object.__setattr__(layer, _CORE_MARK, True)
+
+
+def _switch_activation(layer: Any, activation: Any) -> None:
+    # Keras 3.15's Dense and EinsumDense apply `self.activation` after the
+    # product: the product's output is kept, the activation recomputed.
+    # `wraps` keeps the name `get_config` serializes.
+    @functools.wraps(activation)
+    def recomputed(x):
+        return recompute(activation, x, [])
+
+    object.__setattr__(layer, "activation", recomputed)
+    object.__setattr__(layer, _ACTIVATION_MARK, activation)
+
+
+def _restore_selective(layer: Any) -> bool:
+    restored = bool(layer.__dict__.pop(_SELECTIVE_MARK, False))
+    if layer.__dict__.pop(_CORE_MARK, False):
+        layer.__dict__.pop("_compute_attention", None)
+        restored = True
+    original = layer.__dict__.pop(_ACTIVATION_MARK, None)
+    if original is not None:
+        object.__setattr__(layer, "activation", original)
+        restored = True
+    return restored
+
+
+def recompute_selective(block: Any, policy: Any = None) -> None:
+    """Switch `block` to selective recompute: the matrix products inside it
+    are kept for the backward pass, the rest is recomputed.
+
+    JAX: the block's `call` runs under `jax.checkpoint` with `policy` (the
+    products saveable). TensorFlow: each cheap part inside the block is
+    recomputed on its own (`tf.custom_gradient`): normalization, dropout
+    and activation layers, the attention core (`_compute_attention`: scores,
+    softmax, dropout, product with the values, from the projected queries,
+    keys and values), and the activation of a Dense/EinsumDense (its
+    product kept).
+    """
+    if not TF_RUNS:
+        if "call" in block.__dict__:
+            raise ValueError(
+                f"Layer {block.name!r} ({type(block).__name__}) has its "
+                "`call` replaced on the instance by other code; recomputing "
+                "it in place would hide that replacement. Choose its "
+                "sublayers instead."
+            )
+        object.__setattr__(block, _SELECTIVE_MARK, True)
+        method = types.MethodType(
+            _recomputed_call(type(block).call, policy), block
+        )
+        object.__setattr__(block, "call", method)
+        return
+
+    def visit(layer: Any) -> None:
+        if _is_cheap(layer):
+            recompute_layer_in_place(layer)
+            return
+        if _has_attention_core(layer):
+            _switch_core(layer)
+            return  # Its softmax and dropout run inside the core.
+        activation = _nonlinear_activation(layer)
+        if activation is not None and _ACTIVATION_MARK not in layer.__dict__:
+            _switch_activation(layer, activation)
+        for sub in layer._flatten_layers(include_self=False, recursive=False):
+            if not is_recomputed_in_place(sub):
+                visit(sub)
+
+    visit(block)
+    object.__setattr__(block, _SELECTIVE_MARK, True)
+
+
 def restore_layer(layer: Any) -> bool:
-    """Undo `recompute_layer_in_place`; True if there was something to undo."""
+    """Undo `recompute_layer_in_place` (and the selective switches of
+    `recompute_selective`); True if there was something to undo."""
+    restored = _restore_selective(layer)
     if not getattr(layer.__dict__.get("call"), _CALL_MARK, False):
-        return False
+        return restored
     del layer.__dict__["call"]
     return True
 
@@ -380,6 +541,8 @@ __all__ = [
     "reset_compiled_functions",
     "restore_graph",
     "restore_layer",
+    "recompute_selective",
+    "is_selective",
     "segment_plan",
     "segment_plan_nodes",
     "execution_order",

@@ -203,7 +203,11 @@ def model_backward_peak_bytes(
 def _model_args(model: Any, x: Any) -> tuple:
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
-    return trainable, non_trainable, keras.ops.convert_to_tensor(x)
+    return (
+        trainable,
+        non_trainable,
+        keras.tree.map_structure(keras.ops.convert_to_tensor, x),
+    )
 
 
 def model_residual_bytes(
