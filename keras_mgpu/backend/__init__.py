@@ -35,23 +35,26 @@ SUPPORTED_BACKENDS = ("tensorflow", "jax")
 
 # What to use on JAX instead of a component that runs on TensorFlow only.
 ON_JAX_PLACEMENT = (
-    "keras.distribution.ModelParallel with a keras.distribution.LayoutMap"
+    "keras.distribution.ModelParallel with a LayoutMap from "
+    "keras_mgpu.sharding.plan_layout_map"
 )
 ON_JAX_NO_COMPRESSION = (
     "GradientAccumulationOptimizer without compression (XLA runs the "
     "all-reduce of the jitted step)"
 )
 ON_JAX_MULTI_PROCESS = (
-    "keras.distribution.initialize() and keras.distribution.DataParallel, "
-    "which span every process's devices"
+    "keras_mgpu.distribute.start_cluster() (keras.distribution.initialize() "
+    "with bounded waits and gloo on CPU; it returns a DataParallel over "
+    "every process's devices) and keras_mgpu.distribute."
+    "shard_across_processes() for NumPy arrays, PyDatasets and generators"
 )
 ON_JAX_WATCHDOG = (
-    "the heartbeat of jax.distributed (its heartbeat_timeout_seconds); "
-    "multi-process support on JAX is planned (issue 29)"
+    "the heartbeat of jax.distributed (start_cluster(heartbeat_timeout=...)); "
+    "WorkerWatchdog across JAX processes is planned (issue 29)"
 )
 ON_JAX_STRAGGLER = (
-    "MemoryMonitor and the fit logs; multi-process support on JAX is "
-    "planned (issue 29)"
+    "MemoryMonitor and the fit logs; StragglerMonitor across JAX processes "
+    "is planned (issue 29)"
 )
 
 

@@ -220,10 +220,10 @@ def jax_lines(components: list | None = None) -> list[str]:
         "are TensorFlow's):",
         f"  DataParallel                 model.fit across {where} "
         "(keras-mgpu demo)",
-        "  ModelParallel                with a LayoutMap (keras-hub's "
-        "get_layout_map for Gemma/Llama)",
-        "  several processes            keras.distribution.initialize(); "
-        "keras_mgpu's multi-process support on JAX is planned (issue 29)",
+        "  ModelParallel                with a LayoutMap from "
+        "keras_mgpu.sharding.plan_layout_map",
+        "  several processes            keras_mgpu.distribute.start_cluster()"
+        " and shard_across_processes() (the data)",
         "keras_mgpu components on jax (each one constructed here):",
     ]
     rows = support_table() if components is None else components

@@ -74,7 +74,7 @@ import threading
 import warnings
 from typing import Any
 
-from keras_mgpu.backend import require_backend
+from keras_mgpu.backend import ON_JAX_MULTI_PROCESS, require_backend
 from keras_mgpu.distribute.fit_warnings import MultiWorkerFitWarning
 
 # Keras versions whose code this fix was read from and tested with. What
@@ -173,13 +173,7 @@ def enable_multi_worker_fit() -> bool:
     require_backend(
         "enable_multi_worker_fit",
         ("tensorflow",),
-        instead=(
-            "keras_mgpu.distribute.start_cluster() (keras.distribution."
-            "initialize() with bounded waits and gloo on CPU; it returns a "
-            "DataParallel over every process's devices) and "
-            "keras_mgpu.distribute.shard_across_processes() for NumPy "
-            "arrays, PyDatasets and generators"
-        ),
+        instead=ON_JAX_MULTI_PROCESS,
     )
     keras = _keras3()
     if keras is None:
