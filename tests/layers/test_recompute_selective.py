@@ -21,6 +21,7 @@ keras_hub = pytest.importorskip(
     reason='keras-hub is not installed (pip install "keras-mgpu[hub]")',
 )
 
+from _hub_models import gpt2, llama  # noqa: E402
 from test_recompute_in_place import step  # noqa: E402
 
 from keras_mgpu import _flavour  # noqa: E402
@@ -34,33 +35,6 @@ keras = _flavour.keras
 tf = _flavour.tf
 
 SEQ = 12
-
-
-def gpt2(seed: int = 7):
-    keras.utils.set_random_seed(seed)
-    return keras_hub.models.GPT2Backbone(
-        vocabulary_size=50,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=16,
-        dropout=0.1,
-    )
-
-
-def llama(seed: int = 7):
-    keras.utils.set_random_seed(seed)
-    return keras_hub.models.LlamaBackbone(
-        vocabulary_size=50,
-        num_layers=2,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=16,
-        intermediate_dim=32,
-        dropout=0.1,
-        tie_word_embeddings=True,  # else one weight gets no gradient
-    )
 
 
 def decoder_class(kind: str) -> type:

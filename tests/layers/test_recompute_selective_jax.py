@@ -21,6 +21,8 @@ keras_hub = pytest.importorskip(
     reason='keras-hub is not installed (pip install "keras-mgpu[hub]")',
 )
 
+from _hub_models import HEADS, HIDDEN, gpt2, llama  # noqa: E402
+
 from keras_mgpu.backend.jax.recompute_memory import (  # noqa: E402
     saved_residuals,
 )
@@ -30,34 +32,7 @@ from keras_mgpu.layers import (  # noqa: E402
     strip_recompute,
 )
 
-SEQ, HIDDEN, HEADS, BATCH = 12, 16, 2, 4
-
-
-def gpt2(seed: int = 7):
-    keras.utils.set_random_seed(seed)
-    return keras_hub.models.GPT2Backbone(
-        vocabulary_size=50,
-        num_layers=2,
-        num_heads=HEADS,
-        hidden_dim=HIDDEN,
-        intermediate_dim=32,
-        max_sequence_length=16,
-        dropout=0.1,
-    )
-
-
-def llama(seed: int = 7):
-    keras.utils.set_random_seed(seed)
-    return keras_hub.models.LlamaBackbone(
-        vocabulary_size=50,
-        num_layers=2,
-        num_query_heads=HEADS,
-        num_key_value_heads=1,
-        hidden_dim=HIDDEN,
-        intermediate_dim=32,
-        dropout=0.1,
-        tie_word_embeddings=True,
-    )
+SEQ, BATCH = 12, 4
 
 
 BUILD = {"gpt2": gpt2, "llama": llama}

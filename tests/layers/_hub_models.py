@@ -1,0 +1,37 @@
+"""Tiny keras-hub backbones (random init, no download, dropout on) for the
+selective-recompute tests of both backends."""
+
+from __future__ import annotations
+
+import keras_hub
+
+from keras_mgpu.testing import set_random_seed
+
+HIDDEN, HEADS = 16, 2
+
+
+def gpt2(seed: int = 7):
+    set_random_seed(seed)
+    return keras_hub.models.GPT2Backbone(
+        vocabulary_size=50,
+        num_layers=2,
+        num_heads=HEADS,
+        hidden_dim=HIDDEN,
+        intermediate_dim=32,
+        max_sequence_length=16,
+        dropout=0.1,
+    )
+
+
+def llama(seed: int = 7):
+    set_random_seed(seed)
+    return keras_hub.models.LlamaBackbone(
+        vocabulary_size=50,
+        num_layers=2,
+        num_query_heads=HEADS,
+        num_key_value_heads=1,
+        hidden_dim=HIDDEN,
+        intermediate_dim=32,
+        dropout=0.1,
+        tie_word_embeddings=True,  # else one weight gets no gradient
+    )
