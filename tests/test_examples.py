@@ -61,7 +61,7 @@ def test_every_example_is_tested():
         "batch_size_by_memory.py",
         "custom_training_loop.py",
         "fine_tune_keras_hub.py",
-        "jax_multi_process.py",  # tests/distribute/test_jax_cluster_example_jax.py
+        "jax_multi_process.py",  # test_jax_cluster_example_jax.py
         "launch_tf_config.sh",
         "mirrored_training.py",
         "model_parallel.py",

@@ -450,12 +450,20 @@ class _Search:
         answer is the search's largest fitting batch below them all.
         """
         batch = self._answer()[0].batch_size
-        for _ in range(attempts):
+        # A run that lowers the budget does not use up an attempt (at most
+        # `attempts` such runs): the answer is always one a longer run
+        # confirmed against the budget in force at the end.
+        remaining, lowerings = attempts, attempts
+        while remaining > 0:
+            remaining -= 1
             checked = self.run(batch, measure)
             if budget_for is not None and not checked.out_of_memory:
                 fixed = self._reported_fit(batch).fixed_mb
                 fixed = min(max(fixed, 0.0), checked.peak_mb)
                 wanted = budget_for(checked, fixed)
+                if wanted < self.budget_mb and lowerings > 0:
+                    lowerings -= 1
+                    remaining += 1
                 self.budget_mb = min(self.budget_mb, wanted)
             if checked.fits(self.budget_mb):
                 self._confirmed = checked

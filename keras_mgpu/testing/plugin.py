@@ -151,11 +151,9 @@ def mirrored_strategy_factory() -> Any:
 
 @pytest.fixture(name="run_workers")
 def run_workers_fixture() -> Any:
-    """`run_workers(fn, num_workers=2, *args, timeout=..., chief=False)`
-    (TensorFlow; on JAX it refuses)."""
-    from keras_mgpu.testing.workers import _refuse_off_tensorflow
-
-    _refuse_off_tensorflow()
+    """`run_workers(fn, num_workers=2, *args, timeout=..., chief=False)`:
+    a TensorFlow multi-worker cluster, or on JAX a `jax.distributed` one
+    (`chief=True` refused there)."""
     return run_workers
 
 

@@ -20,9 +20,10 @@ from typing import Any
 MB = 1024.0 * 1024.0
 
 
-def named_device(name: str, argument: str = "device") -> Any:
+def named_device(name: Any, argument: str = "device") -> Any:
     """The JAX device named `name` as Keras names devices ("gpu:0",
-    "cpu:1"; any case: "GPU:0" too), by platform and global id.
+    "cpu:1"; any case: "GPU:0" too), by platform and global id; a JAX
+    device is returned as it is.
 
     Raises:
         ValueError: naming `argument`, the value and JAX's devices, where no
@@ -30,6 +31,9 @@ def named_device(name: str, argument: str = "device") -> Any:
     """
     import jax
 
+    if isinstance(name, jax.Device):
+        # A mesh built from JAX's devices (several processes) holds them.
+        return name
     devices = {f"{d.platform}:{d.id}": d for d in jax.devices()}
     key = name.lower() if isinstance(name, str) else None
     if key is not None and ":" not in key:
