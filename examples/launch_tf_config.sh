@@ -6,7 +6,8 @@
 # Three ways to run it:
 #
 #   1. Local cluster (default): N workers on 127.0.0.1, for trying things
-#      out or for one machine with several GPUs per process.
+#      out or for one machine with several GPUs per process. Each
+#      worker's output lines start with "[worker I] ".
 #        examples/launch_tf_config.sh -n 2 -- \
 #            python examples/multi_worker.py --quick --backup-dir /tmp/run1
 #
@@ -87,6 +88,12 @@ print(",".join(hosts))
 EOF
 }
 
+# Copies standard input to standard output, each line prefixed by $1 and
+# written whole.
+prefix_lines() {
+    awk -v prefix="$1" '{ print prefix $0; fflush() }'
+}
+
 # TF_CONFIG for task $2 of the comma-separated "host:port" list $1.
 tf_config() {
     "$python" -c '
@@ -148,7 +155,11 @@ else
             run_one "$config" "$@"
         else
             echo "TF_CONFIG='$config' $*"
-            TF_CONFIG="$config" "$@" &
+            # Each worker's lines through a filter of its own, prefixed:
+            # workers write a line in several pieces when Python runs
+            # unbuffered (PYTHONUNBUFFERED, common in CI), and pieces from
+            # two workers sharing one stdout would mix within a line.
+            TF_CONFIG="$config" "$@" > >(prefix_lines "[worker $i] ") &
             pids+=("$!")
         fi
     done

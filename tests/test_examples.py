@@ -232,7 +232,7 @@ def _tf_configs(out: str) -> list[dict]:
     return [json.loads(c) for c in re.findall(r"TF_CONFIG='(.*?)'", out)]
 
 
-def test_launch_tf_config_sh():
+def test_launch_tf_config_sh(tmp_path):
     script = os.path.join(EXAMPLES, "launch_tf_config.sh")
     assert subprocess.run(["bash", "-n", script]).returncode == 0
     # A local cluster, for real: each worker sees its own TF_CONFIG.
@@ -243,9 +243,32 @@ def test_launch_tf_config_sh():
     result = _launch("-n", "3", "--", sys.executable, "-c", show)
     assert result.returncode == 0, result.stderr
     hosts = [f"127.0.0.1:{23456 + i}" for i in range(3)]
-    assert sorted(re.findall(r"^task (\d) of (.*)$", result.stdout, re.M)) == [
-        (str(i), str(hosts)) for i in range(3)
-    ]
+    # Each worker's lines carry its index (the launcher prefixes them).
+    assert sorted(
+        re.findall(r"^\[worker (\d)\] task (\d) of (.*)$", result.stdout, re.M)
+    ) == [(str(i), str(i), str(hosts)) for i in range(3)]
+    # A line written in pieces stays whole: worker 0 starts its line, waits
+    # until worker 1 has written a whole line, then ends its own.
+    pieces = (
+        "import json, os, sys, time; "
+        "i = json.loads(os.environ['TF_CONFIG'])['task']['index']; "
+        "flag = os.environ['FLAG']\n"
+        "if i == 0:\n"
+        "    sys.stdout.write('first'); sys.stdout.flush()\n"
+        "    deadline = time.monotonic() + 30\n"
+        "    while not os.path.exists(flag) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
+        "    sys.stdout.write(' half\\n'); sys.stdout.flush()\n"
+        "else:\n"
+        "    sys.stdout.write('whole\\n'); sys.stdout.flush()\n"
+        "    open(flag, 'w').close()\n"
+    )
+    result = _launch(
+        "--", sys.executable, "-c", pieces, env={"FLAG": str(tmp_path / "f")}
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [x for x in result.stdout.splitlines() if x.startswith("[")]
+    assert sorted(lines) == ["[worker 0] first half", "[worker 1] whole"]
     # A failing worker fails the launch.
     fail = "import sys; sys.exit(3)"
     assert _launch("--", sys.executable, "-c", fail).returncode == 3
@@ -326,12 +349,18 @@ def test_launch_tf_config_sh_trains_the_multi_worker_example(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert len(_tf_configs(result.stdout)) == 2
-    assert "task 0 of 2 workers (chief): 2 replicas" in result.stdout
-    assert "task 1 of 2 workers: 2 replicas" in result.stdout
+    assert "[worker 0] task 0 of 2 workers (chief): 2 replicas" in result.stdout
+    assert "[worker 1] task 1 of 2 workers: 2 replicas" in result.stdout
+    # Whole lines per worker, also when Python runs unbuffered and writes a
+    # line in pieces (CI's PYTHONUNBUFFERED once mixed the two workers'
+    # final lines into one).
     finals = re.findall(
-        r"updates: 32, .* weights checksum: (\S+)", result.stdout
+        r"^\[worker (\d)\] updates: 32, .* weights checksum: (\S+)$",
+        result.stdout,
+        re.M,
     )
-    assert len(finals) == 2 and finals[0] == finals[1]  # in sync
+    assert sorted(w for w, _ in finals) == ["0", "1"], result.stdout[-3000:]
+    assert finals[0][1] == finals[1][1]  # in sync
 
 
 @pytest.mark.slow
