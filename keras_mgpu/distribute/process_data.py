@@ -229,7 +229,8 @@ def _py_dataset_wrapper_class():
             super().__init__()
             self._dataset = dataset
             self._layout = layout
-            self._served = 0
+            self._served = 0  # batches served since the first pass began
+            self._rewound = False
 
         def __len__(self):
             return len(self._dataset)
@@ -241,6 +242,10 @@ def _py_dataset_wrapper_class():
         def __getitem__(self, index):
             # As for arrays: served in the wrapped dataset's order, whatever
             # index `fit(shuffle=True)` asks for (see ProcessArrayBatches).
+            # Keras goes through all of a PyDataset's batches before it
+            # starts again, across epochs when `steps_per_epoch` is shorter
+            # (the next epoch goes on where the last stopped): so does the
+            # position here, counted over every batch served.
             del index
             position = self._served
             if self.num_batches is not None:
@@ -251,11 +256,16 @@ def _py_dataset_wrapper_class():
             )
 
         def on_epoch_begin(self):
-            self._served = 0
             self._dataset.on_epoch_begin()
 
         def on_epoch_end(self):
-            self._served = 0
+            # Keras 3.15's `fit` takes one batch to build the model, then
+            # ends that pass (see ProcessArrayBatches).
+            if not self._rewound and (
+                self.num_batches is None or self._served < self.num_batches
+            ):
+                self._served = 0
+            self._rewound = True
             self._dataset.on_epoch_end()
 
     return ProcessPyDatasetSlices

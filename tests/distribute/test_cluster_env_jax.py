@@ -220,6 +220,62 @@ def test_one_process_gets_whole_batches_in_the_agreed_order():
     assert data[3][0][:, 0].tolist() != first[3] or len(data) == 1
 
 
+class _Batches:
+    """A PyDataset of 4 batches, batch i all i, that records its calls."""
+
+    def __new__(cls, calls):
+        import keras
+
+        class Batches(keras.utils.PyDataset):
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, index):
+                calls.append(index)
+                x = np.full((4, 1), index, "float32")
+                return x, x
+
+            def on_epoch_end(self):
+                calls.append("end")
+
+        return Batches()
+
+
+def _fit_three_epochs(data, steps_per_epoch, shuffle):
+    import warnings
+
+    import keras
+
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras's "ran out of data"
+        model.fit(
+            data,
+            epochs=3,
+            steps_per_epoch=steps_per_epoch,
+            shuffle=shuffle,
+            verbose=0,
+        )
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("steps_per_epoch", [None, 3])
+def test_a_py_dataset_is_served_as_keras_serves_it(steps_per_epoch, shuffle):
+    """The wrapped PyDataset's batches are read in the order Keras reads a
+    plain one without shuffling, epoch after epoch; with `steps_per_epoch`
+    shorter than the data, an epoch goes on where the last stopped (it
+    restarted at batch 0 before)."""
+    plain, wrapped = [], []
+    _fit_three_epochs(_Batches(plain), steps_per_epoch, False)
+    _fit_three_epochs(
+        shard_across_processes(_Batches(wrapped)), steps_per_epoch, shuffle
+    )
+    assert wrapped == plain
+    if steps_per_epoch:
+        assert [c for c in plain if c != "end"][:5] == [0, 0, 1, 2, 3]
+
+
 @pytest.mark.parametrize(
     "call, error, match",
     [
