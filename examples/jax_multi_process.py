@@ -13,6 +13,8 @@ epoch, a new agreed order each epoch.
 Run:
     python examples/jax_multi_process.py           # launches 2 local processes
     python examples/jax_multi_process.py --quick   # seconds
+    python examples/jax_multi_process.py --quick --local-launcher slurm
+                                  # the same, through Slurm's variables
     srun -n 4 python examples/jax_multi_process.py # Slurm (one per task)
 """
 
@@ -31,9 +33,30 @@ LAUNCHER_VARIABLES = (
 )
 
 
-def launch_local(args, processes=2, devices=2):
-    """Start `processes` copies of this script on 127.0.0.1 with Keras's
-    variables, each with `devices` CPU devices; wait for all of them."""
+def launcher_variables(launcher, port, processes, rank):
+    """The variables `launcher` gives process `rank` of a cluster on
+    127.0.0.1 whose coordinator listens at `port`: Keras's own, or those
+    `srun -n PROCESSES` sets on one node (to try the Slurm path without
+    Slurm)."""
+    if launcher == "slurm":
+        return {
+            "SLURM_NTASKS": str(processes),
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_JOB_NODELIST": "127.0.0.1",
+            "KERAS_MGPU_COORDINATOR_PORT": str(port),
+        }
+    return {
+        "KERAS_DISTRIBUTION_JOB_ADDRESSES": f"127.0.0.1:{port}",
+        "KERAS_DISTRIBUTION_NUM_PROCESSES": str(processes),
+        "KERAS_DISTRIBUTION_PROCESS_ID": str(rank),
+    }
+
+
+def launch_local(args, launcher="keras", processes=2, devices=2):
+    """Start `processes` copies of this script on 127.0.0.1 with the
+    `launcher`'s variables, each with `devices` CPU devices; wait for all
+    of them."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -42,10 +65,8 @@ def launch_local(args, processes=2, devices=2):
         env = dict(
             os.environ,
             KERAS_BACKEND="jax",
-            KERAS_DISTRIBUTION_JOB_ADDRESSES=f"127.0.0.1:{port}",
-            KERAS_DISTRIBUTION_NUM_PROCESSES=str(processes),
-            KERAS_DISTRIBUTION_PROCESS_ID=str(rank),
             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+            **launcher_variables(launcher, port, processes, rank),
         )
         children.append(
             subprocess.Popen([sys.executable, __file__, *args], env=env)
@@ -71,6 +92,7 @@ def train(quick):
         auto_shard_dataset=False, initialization_timeout=120
     )
     info = worker_info()
+    joined = keras_mgpu.distribute.cluster_from_environment().source
     keras.utils.set_random_seed(0)  # the same initial weights everywhere
     samples = 256 if quick else 4096
     rng = np.random.default_rng(0)  # every process: the same full arrays
@@ -99,7 +121,8 @@ def train(quick):
         )
     checksum = sum(float(np.abs(w).sum()) for w in model.get_weights())
     print(
-        f"{info['task_name']}: {info['num_workers']} processes, "
+        f"{info['task_name']} (through {joined}'s variables): "
+        f"{info['num_workers']} processes, "
         f"{len(distribution.device_mesh.devices.flat)} devices, "
         f"loss {history.history['loss'][-1]:.4f}, "
         f"weights checksum {checksum:.6f}",
@@ -110,9 +133,16 @@ def train(quick):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--local-launcher",
+        choices=("keras", "slurm"),
+        default="keras",
+        help="outside a cluster: start the 2 local processes with Keras's "
+        "variables or with those srun sets",
+    )
     args = parser.parse_args()
     if not any(os.environ.get(v) for v in LAUNCHER_VARIABLES):
-        sys.exit(launch_local(sys.argv[1:]))
+        sys.exit(launch_local(sys.argv[1:], args.local_launcher))
     train(args.quick)
 
 

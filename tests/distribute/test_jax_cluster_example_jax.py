@@ -1,5 +1,6 @@
 """examples/jax_multi_process.py --quick: 2 local processes x 2 devices,
-both ending at the same weights."""
+started with the variables `srun` sets, both ending at the same weights
+(Keras's own variables are what `run_workers` clusters use)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def test_jax_multi_process_example(tmp_path):
             sys.executable,
             os.path.join(REPO_ROOT, "examples", "jax_multi_process.py"),
             "--quick",
+            "--local-launcher",
+            "slurm",
         ],
         cwd=tmp_path,
         env={**env, "PYTHONPATH": REPO_ROOT, "KERAS_BACKEND": "jax"},
@@ -39,8 +42,8 @@ def test_jax_multi_process_example(tmp_path):
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     lines = re.findall(
-        r"process:(\d): 2 processes, 4 devices, loss \S+, weights checksum "
-        r"(\S+)",
+        r"process:(\d) \(through slurm's variables\): 2 processes, "
+        r"4 devices, loss \S+, weights checksum (\S+)",
         out,
     )
     assert sorted(rank for rank, _ in lines) == ["0", "1"], out
