@@ -319,7 +319,11 @@ def shard_across_processes(
     run to run). Use them with the default `workers=1`.
     - A `tf.data.Dataset` of global batches: re-batched into per-process
       slices, keeping this process's (what Keras does with
-      `auto_shard_dataset=True`).
+      `auto_shard_dataset=True`). Every process must build the same
+      pipeline and draw the same order: seed every `shuffle` (nothing
+      checks it: comparing a first batch across processes would draw one
+      order of a reshuffling pipeline, and the run would no longer equal
+      one process's).
 
     A global batch must be a multiple of the number of processes and of the
     devices along the batch axis (each process feeds its devices equally):

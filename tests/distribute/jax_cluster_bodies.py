@@ -155,6 +155,25 @@ def run_all():
         uneven = shard_across_processes(iter([ids[:6]]))
         out["generator_error"] = _error(lambda: next(uneven))
 
+        # tf.data: a seeded shuffle, two epochs, cut per process.
+        import tensorflow as tf
+
+        def seeded():
+            return (
+                tf.data.Dataset.from_tensor_slices(ids)
+                .shuffle(SAMPLES, seed=3)
+                .batch(BATCH)
+            )
+
+        def tf_epochs(dataset):
+            return [
+                [[int(v) for v in b[:, 0]] for b in dataset]
+                for _ in range(EPOCHS)
+            ]
+
+        out["tf_data"] = tf_epochs(shard_across_processes(seeded()))
+        out["tf_data_whole"] = tf_epochs(seeded())  # one process's batches
+
         # Multi-process fit, shuffled: equal to one process on the same
         # global batches (the test replays the orders).
         x, y = data()

@@ -51,7 +51,7 @@ def test_worker_info_names_each_process(cluster):
     assert [out["devices"] for out in cluster] == [(4, 2), (4, 2)]
 
 
-@pytest.mark.parametrize("key", ["shuffled", "seed_7"])
+@pytest.mark.parametrize("key", ["shuffled", "seed_7", "tf_data"])
 def test_each_sample_once_per_epoch_in_a_new_order(cluster, key):
     epochs = _global_batches(cluster, key)
     for epoch in epochs:
@@ -78,6 +78,12 @@ def test_unshuffled_batches_are_one_process_batches(cluster, key):
         ids[i : i + bodies.BATCH]
         for i in range(0, bodies.SAMPLES, bodies.BATCH)
     ]
+
+
+def test_tf_data_batches_are_one_process_batches(cluster):
+    # the same epochs, in the same orders, as the unsplit pipeline
+    assert _global_batches(cluster, "tf_data") == cluster[0]["tf_data_whole"]
+    assert cluster[0]["tf_data_whole"] == cluster[1]["tf_data_whole"]
 
 
 def test_generator_batches_are_split(cluster):
