@@ -204,3 +204,24 @@ def test_rebuilding_a_placed_model_is_refused():
         r"Pass in_place=True .* Received: in_place=False",
     ):
         apply_recompute(placed, "head", in_place=False)
+
+
+@pytest.mark.parametrize("micro_batches", [None, 2], ids=["plain", "pipelined"])
+def test_selective_recompute_survives_placement(micro_batches):
+    """policy="selective" on the head (a Sequential of Dense + tanh):
+    placed, pipelined or not, and stripped again, the head stays
+    selectively recomputed and the gradients are the plain placement's."""
+    model = residual_model()
+    apply_recompute(model, "head", policy="selective")
+    expected_names = names(model)
+    assert expected_names
+    placed = place(model, micro_batches)
+    assert names(placed) == expected_names
+    reference = place(residual_model(), micro_batches)
+    x = tf.constant(X)
+    for _ in range(2):
+        loss, grads = loss_and_grads(placed, x, Y)
+        expected_loss, expected = loss_and_grads(reference, x, Y)
+        assert loss == pytest.approx(expected_loss, rel=1e-6)
+        assert_grads_close(grads, expected)
+    assert names(strip_placement(placed)) == expected_names
