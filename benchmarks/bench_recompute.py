@@ -69,9 +69,10 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
+
+from _child import options, run_child
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -285,17 +286,12 @@ def memory_cases(args: argparse.Namespace) -> dict:
 
 
 def _run_memory_child(case: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", case]
-    for name in ("blocks", "width", "batch", "depth", "memory_steps"):
-        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "1"}
-    out = subprocess.run(
-        cmd, capture_output=True, text=True, check=False, env=env
+    names = ("blocks", "width", "batch", "depth", "memory_steps")
+    return run_child(
+        __file__,
+        ["--child", case, *options(args, names)],
+        env={"TF_ENABLE_ONEDNN_OPTS": "1"},
     )
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode != 0 or not lines:
-        return {"error": out.stderr[-2000:]}
-    return json.loads(lines[-1])
 
 
 def _kept_activations(case: str, args: argparse.Namespace) -> int | None:

@@ -34,9 +34,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from _child import options, run_child
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -180,19 +181,12 @@ def time_cases(kind: str, args: argparse.Namespace) -> dict:
 
 
 def _run_memory_child(kind: str, case: str, args) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind + ":"]
-    cmd[-1] += case
-    for name in ("layers", "hidden", "heads", "seq", "batch", "vocab"):
-        cmd += [f"--{name}", str(getattr(args, name))]
-    cmd += ["--memory-steps", str(args.memory_steps)]
-    env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "1"}
-    out = subprocess.run(
-        cmd, capture_output=True, text=True, check=False, env=env
+    names = ("layers", "hidden", "heads", "seq", "batch", "vocab")
+    return run_child(
+        __file__,
+        ["--child", f"{kind}:{case}", *options(args, (*names, "memory_steps"))],
+        env={"TF_ENABLE_ONEDNN_OPTS": "1"},
     )
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode != 0 or not lines:
-        return {"error": out.stderr[-2000:]}
-    return json.loads(lines[-1])
 
 
 def _report(kind: str, args: argparse.Namespace) -> None:

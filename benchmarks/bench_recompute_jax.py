@@ -54,7 +54,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -62,6 +61,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _child import run_child  # noqa: E402
 
 import keras_mgpu  # noqa: E402
 from keras_mgpu.backend.jax import recompute_memory  # noqa: E402
@@ -306,18 +306,14 @@ def memory_child(case: str, args: argparse.Namespace) -> dict:
 
 def peak_of(case: str, argv: list) -> dict:
     """`peak_mib` of `case` from a subprocess of its own (or why not)."""
-    out = subprocess.run(
-        [sys.executable, __file__, *argv, "--child", case],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+    reading = run_child(
+        __file__,
+        [*argv, "--child", case],
+        env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
     )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode != 0 or not lines:
-        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+    if "error" in reading:
+        tail = (reading["error"].strip().splitlines() or ["no output"])[-1]
         return {"peak_mib": None, "peak_error": tail[:300]}
-    reading = json.loads(lines[-1])
     reading.pop("case", None)
     return reading
 
