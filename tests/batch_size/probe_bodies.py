@@ -212,24 +212,32 @@ FRESH_BUDGET_MB = 148.0
 FRESH_STEPS = 12
 
 
-def _wide_mlp():
+def _relu_mlp(inputs, first, width, name):
+    """A seeded, compiled Sequential: `first` layers, then 6 Dense(`width`,
+    relu) and a Dense(10) head, with Adam (what the fresh-process tests
+    measure)."""
     from keras_mgpu._flavour import keras
 
     keras.utils.set_random_seed(0)
     layers = keras.layers
     model = keras.Sequential(
         [
-            keras.Input((512,)),
-            *[layers.Dense(1024, activation="relu") for _ in range(6)],
+            keras.Input((inputs,)),
+            *first(keras),
+            *[layers.Dense(width, activation="relu") for _ in range(6)],
             layers.Dense(10),
         ],
-        name="wide_mlp",
+        name=name,
     )
     model.compile(
         optimizer="adam",
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     return model
+
+
+def _wide_mlp():
+    return _relu_mlp(512, lambda keras: [], 1024, "wide_mlp")
 
 
 def _wide_data(samples):
@@ -326,24 +334,12 @@ def _ballast_layer(keras):
 
 
 def _ballast_mlp():
-    from keras_mgpu._flavour import keras
-
-    keras.utils.set_random_seed(0)
-    layers = keras.layers
-    model = keras.Sequential(
-        [
-            keras.Input((64,)),
-            _ballast_layer(keras)(BALLAST_SIZE),
-            *[layers.Dense(256, activation="relu") for _ in range(6)],
-            layers.Dense(10),
-        ],
-        name="ballast_mlp",
+    return _relu_mlp(
+        64,
+        lambda keras: [_ballast_layer(keras)(BALLAST_SIZE)],
+        256,
+        "ballast_mlp",
     )
-    model.compile(
-        optimizer="adam",
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    return model
 
 
 def _ballast_data(samples):
