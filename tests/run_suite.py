@@ -82,6 +82,22 @@ def _counts(junit_path: str) -> dict[str, int]:
     return counts
 
 
+def slowest_modules(junit_path: str, most: int = 12) -> list[tuple]:
+    """(seconds, test module) of the `most` modules whose tests took the
+    longest in total (setup, such as a module's cluster, included): where
+    the CI budget goes."""
+    if not os.path.exists(junit_path):
+        return []
+    totals: dict[str, float] = {}
+    for case in ET.parse(junit_path).getroot().iter("testcase"):
+        parts = case.get("classname", "?").split(".")
+        if len(parts) > 1 and parts[-1][:1].isupper():  # a test class
+            parts = parts[:-1]
+        module = ".".join(parts)
+        totals[module] = totals.get(module, 0.0) + float(case.get("time", 0))
+    return sorted(((t, m) for m, t in totals.items()), reverse=True)[:most]
+
+
 def _run(
     label: str,
     extra_env: dict[str, str],
@@ -104,6 +120,9 @@ def _run(
     ]
     print(f"== {label}: {' '.join(cmd)}", flush=True)
     rc = subprocess.call(cmd, cwd=REPO_ROOT, env=env)
+    print(f"== {label}: slowest modules (seconds, summed over tests)")
+    for seconds, module in slowest_modules(junit):
+        print(f"   {seconds:7.1f}  {module}")
     return rc, _counts(junit)
 
 
