@@ -197,6 +197,8 @@ def run_all():
         out["headline_logs"] = sorted(history.history)
         out["iterations"] = int(model.optimizer.iterations)
 
+    out.update(model_parallel_fit())
+
     # What is not multi-process on JAX yet refuses at construction.
     callbacks = keras_mgpu.callbacks
     out["refusals"] = {
@@ -209,4 +211,82 @@ def run_all():
             lambda: callbacks.MemoryMonitor(gather_workers=True)
         ),
     }
+    return out
+
+
+def mlp_for_layouts():
+    """Wide enough to be sharded: 16 -> 64 -> 64 -> 1, seeded weights."""
+    import keras
+
+    keras.utils.set_random_seed(1)
+    return keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(64, activation="tanh", name="fc1"),
+            keras.layers.Dense(64, activation="tanh", name="fc2"),
+            keras.layers.Dense(1, name="out"),
+        ],
+        name="mlp",
+    )
+
+
+def model_parallel_data():
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(SAMPLES, 16)).astype("float32")
+    return x, rng.normal(size=(SAMPLES, 1)).astype("float32")
+
+
+def model_parallel_fit():
+    """A planned LayoutMap over a (batch 2, model 2) mesh of both processes'
+    devices: weights split along "model" within a process and along
+    "batch" across them, so no process holds a whole weight. Returns the
+    weights gathered on every process, and what Keras's own readers do."""
+    import os
+    import tempfile
+
+    import jax
+    import keras
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from keras_mgpu.distribute import shard_across_processes
+    from keras_mgpu.sharding import plan_layout_map
+
+    x, y = model_parallel_data()
+    plain = mlp_for_layouts()
+    initial = plain.get_weights()
+    mesh = keras.distribution.DeviceMesh(
+        (2, 2), ["batch", "model"], devices=jax.devices()
+    )
+    layout_map = plan_layout_map(plain, mesh, min_shard_bytes=0)
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch", auto_shard_dataset=False
+    )
+    out = {}
+    with distribution.scope():
+        model = mlp_for_layouts()
+        model.set_weights(initial)
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        kernel = model.get_layer("fc1").kernel.value
+        out["mp_kernel_spec"] = str(kernel.sharding.spec)
+        out["mp_fully_addressable"] = bool(kernel.is_fully_addressable)
+        model.fit(
+            shard_across_processes(x, y, batch_size=BATCH, shuffle=False),
+            epochs=EPOCHS,
+            verbose=0,
+        )
+        out["mp_weights"] = [
+            np.asarray(multihost_utils.process_allgather(v.value, tiled=True))
+            for v in model.weights
+        ]
+        folder = tempfile.mkdtemp()
+        out["mp_keras_limits"] = {
+            "get_weights": _error(model.get_weights),
+            "save": _error(lambda: model.save(os.path.join(folder, "m.keras"))),
+            "save_weights": _error(
+                lambda: model.save_weights(os.path.join(folder, "m.weights.h5"))
+            ),
+        }
     return out

@@ -206,3 +206,40 @@ def test_headline_accumulation_warmup_monitor_equal_one_process(cluster):
     ] * 2
     assert "mem/w0_host_rss_mb" in cluster[0]["headline_logs"]
     assert "mem/w1_host_rss_mb" in cluster[1]["headline_logs"]
+
+
+def test_model_parallel_across_processes_equals_one_process(cluster):
+    """plan_layout_map over a (batch 2, model 2) mesh spanning both
+    processes: the weights are split across processes, and `fit` on
+    `shard_across_processes` data ends at one process's weights."""
+    import keras
+
+    for out in cluster:
+        assert out["mp_kernel_spec"] != "PartitionSpec(None, None)"
+        assert out["mp_fully_addressable"] is False
+    x, y = bodies.model_parallel_data()
+    reference = bodies.mlp_for_layouts()
+    reference.compile(keras.optimizers.SGD(0.05), "mse")
+    reference.fit(
+        x,
+        y,
+        batch_size=bodies.BATCH,
+        shuffle=False,
+        epochs=bodies.EPOCHS,
+        verbose=0,
+    )
+    _assert_weights_equal(cluster[0]["mp_weights"], reference.get_weights())
+    _assert_weights_equal(cluster[1]["mp_weights"], cluster[0]["mp_weights"], 0)
+
+
+@pytest.mark.keras_limit
+@pytest.mark.parametrize("reader", ["get_weights", "save", "save_weights"])
+def test_keras_cannot_read_weights_split_across_processes(cluster, reader):
+    """Keras 3.15 fetches every weight whole (`jax.device_get`), which JAX
+    refuses for an array with shards on other processes: `get_weights`,
+    `save` and `save_weights` raise on a model whose weights a multi-process
+    ModelParallel split. Fails when Keras gathers them."""
+    for out in cluster:
+        error = out["mp_keras_limits"][reader]
+        assert error is not None and error.startswith("RuntimeError")
+        assert "non-addressable" in error
