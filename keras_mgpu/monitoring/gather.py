@@ -98,6 +98,7 @@ class WorkerGathering:
         self.enabled = check_bool(enabled, "gather_workers")
         self._owner = owner
         self._strategy = None
+        self._jax_active = False
         self.task_id = 0
         self.num_workers = 1
 
@@ -136,12 +137,14 @@ class WorkerGathering:
                 )
             active = False
         self._strategy = strategy if active else None
-        self._active = active
+        # On JAX the processes need no strategy object to exchange figures
+        # (there may be no distribution in force).
+        self._jax_active = active and backend.is_jax()
         return worker_prefix(True if active else prefix_option, strategy)
 
     @property
     def active(self) -> bool:
-        return getattr(self, "_active", False)
+        return self._strategy is not None or self._jax_active
 
     def expand_keys(self, keys: list[str]) -> list[str]:
         if not self.active:
