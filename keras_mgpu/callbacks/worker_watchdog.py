@@ -70,15 +70,19 @@ class WorkerWatchdog(*callback_bases()):
     first status is read ("process:1 (host, pid 4242)"). What differs is
     the end: no JAX or XLA call can make a gloo (or NCCL) collective that
     waits for a missing process return, so instead of raising, the process
-    logs the message (logger "keras_mgpu", and stderr) and exits at once
-    with status 75 (`os._exit`; `keras_mgpu.backend.jax.processes.
-    EXIT_CODE`), and the launcher restarts the job. Once process 0 exits,
-    JAX's coordination service is gone and JAX ends every other process
-    (SIGABRT, "Connection reset by peer"); a process that exits first is
-    named "left the run" by its peers, which exit too. Without the
-    watchdog JAX ends the survivors of a killed process only after
-    `start_cluster(heartbeat_timeout=...)` (60 s by default) and waits for
-    a stalled one forever. On one JAX process it does nothing.
+    logs the message (logger "keras_mgpu", or stderr when logging is not
+    configured) and exits at once with status 75 (`os._exit`;
+    `keras_mgpu.backend.jax.processes.EXIT_CODE`), and the launcher
+    restarts the job. Once process 0 exits, JAX's coordination service is
+    gone and JAX ends every other process (SIGABRT, "Connection reset by
+    peer"); a process that exits first is named "left the run" by its
+    peers, which exit too. Without the watchdog the survivors of a killed
+    process end when gloo notices (SIGABRT; at once in some runs) or when
+    JAX's heartbeat declares it dead
+    (`start_cluster(heartbeat_timeout=...)`, 60 s by default), and a
+    stalled process is waited for forever. A SIGKILLed process may still
+    end its peers through gloo before the watchdog names it. On one JAX
+    process it does nothing.
 
     It reads no tensor and adds no collective: its cost is one key-value
     write per heartbeat, and reads of every peer only while this worker
