@@ -22,7 +22,7 @@ import warnings
 SAMPLES = 64
 BATCH = 8  # global: 8 steps per epoch
 EPOCHS = 2
-SLOW = 0.05  # seconds process 1 spends in a callback after each step
+SLOW = 0.1  # seconds process 1 spends in a callback after each step
 HEARTBEAT = 0.5  # stale_after: 5 s
 STALL_TIMEOUT = 6.0  # the watchdog of the stall run
 KILL_TIMEOUT = 30.0  # the watchdog of the kill run (stale_after decides)

@@ -223,8 +223,8 @@ def test_a_killed_process_ends_the_run_within_the_bound(kill_cluster):
     text = survivor["output"]
     if survivor["returncode"] == EXIT_CODE:
         assert "process:1 (" in text and "no heartbeat" in text, text[-3000:]
-    else:
-        assert survivor["returncode"] == -6, text[-3000:]  # SIGABRT
+    else:  # SIGABRT from gloo or JAX (or an error they raised)
+        assert survivor["returncode"] != 0, text[-3000:]
         assert "gloo" in text or "unhealthy" in text, text[-3000:]
     assert not [
         n for n in os.listdir(kill_cluster["out"]) if "fit_returned" in n
