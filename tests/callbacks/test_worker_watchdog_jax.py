@@ -270,3 +270,27 @@ def test_the_step_timer_splits_batch_fetch_from_the_step():
     assert 0.02 <= timer.in_step < timer.data + 0.5
     step_timing.uninstall(model)
     assert model.train_function == own
+
+
+def test_several_processes_without_jax_distributed_fail_clearly(monkeypatch):
+    """Several processes counted but no `jax.distributed` client (faked):
+    the watched `fit` fails at its start naming what to call, and starts
+    no thread."""
+    from keras_mgpu.distribute import strategy
+
+    two = {"rank": 0, "num_workers": 2}
+    monkeypatch.setattr(strategy, "worker_info", lambda s=None: two)
+    watchdog = WorkerWatchdog(timeout=1.0, heartbeat_interval=0.1)
+    x, y = regression_data(16)
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    before = set(threading.enumerate())
+    with pytest.raises(
+        kv_store.KeyValueStoreUnavailable, match=r"needs jax\.distributed"
+    ):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[watchdog])
+    assert not [
+        t
+        for t in set(threading.enumerate()) - before
+        if t.name.startswith("keras_mgpu")
+    ]
