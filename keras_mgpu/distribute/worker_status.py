@@ -27,7 +27,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 _KEY_PREFIX = "keras_mgpu/worker_status"
 # Where a thread is "inside the framework": TensorFlow's or JAX's own
@@ -72,7 +72,25 @@ def describe_frame(thread_id: int) -> tuple[bool, str]:
     return inside, f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
 
 
-def key_value_store() -> Any:
+class KeyValueStore(Protocol):
+    """What `WorkerStatus` needs from a cluster's key-value store (one per
+    backend, under `keras_mgpu/backend/<name>/kv_store.py`)."""
+
+    service: str  # "the coordination service"
+    host: str  # "on the chief"
+
+    def set(self, key: str, value: str) -> None:
+        """Set `key`, replacing any value."""
+
+    def get(self, key: str, timeout: float) -> str | None:
+        """The value of `key`, None when it is not set; raises when the
+        store fails."""
+
+    def delete(self, key: str) -> None:
+        """Delete `key` or the folder `key`; nothing when there is none."""
+
+
+def key_value_store() -> KeyValueStore:
     """The running backend's cluster store: TensorFlow's coordination
     service, or JAX's distributed service (raises
     `KeyValueStoreUnavailable` when this JAX lacks it)."""
@@ -111,7 +129,7 @@ class WorkerStatus:
         run: str,
         kv_timeout: float = 5.0,
         read_timeout: float = 1.0,
-        store: Any = None,
+        store: KeyValueStore | None = None,
     ) -> None:
         self.rank = rank
         self.names = list(names)
