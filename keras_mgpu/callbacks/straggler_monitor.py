@@ -152,7 +152,9 @@ class StragglerMonitor(*callback_bases()):
             )
             return
         timer = StepTimer()
-        if not timer.install(self.model):
+        # Watching the `fit` frame removes the wrapper by itself when `fit`
+        # raises (Keras then calls no on_train_end).
+        if not timer.install(self.model, watch_frame=training_frame()):
             self._notices.warn(
                 "no-timer",
                 "StragglerMonitor: the model has no train function to time "

@@ -294,3 +294,28 @@ def test_several_processes_without_jax_distributed_fail_clearly(monkeypatch):
         for t in set(threading.enumerate()) - before
         if t.name.startswith("keras_mgpu")
     ]
+
+
+def test_the_step_timer_goes_once_the_fit_that_installed_it_left():
+    """`fit` raised (no on_train_end): the next call of the train function
+    is not timed (Keras's asynchronous dispatch stays) and unwraps it."""
+    from keras_mgpu.backend.jax import step_timing
+
+    class Model:
+        def train_function(self, state, iterator):
+            return {"loss": next(iterator)}, state
+
+    def gone_fit_frame():
+        return sys._getframe()  # leaves the stack when this returns
+
+    model = Model()
+    own = model.train_function
+    timer = step_timing.StepTimer()
+    assert timer.install(model, watch_frame=gone_fit_frame())
+    assert model.train_function != own
+    assert model.train_function("state", iter([2.0])) == (
+        {"loss": 2.0},
+        "state",
+    )
+    assert timer.steps == 0 and not timer.active
+    assert model.train_function == own

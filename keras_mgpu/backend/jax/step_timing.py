@@ -53,18 +53,31 @@ class StepTimer:
         self.data = 0.0
         self.in_step = 0.0
 
-    def install(self, model: Any) -> bool:
-        """Wrap `model.train_function` (unwrapping a wrapper an earlier,
-        failed `fit` left); False when there is none to wrap."""
+    def install(self, model: Any, watch_frame: Any = None) -> bool:
+        """Wrap `model.train_function` (unwrapping a wrapper an earlier
+        `fit` left); False when there is none to wrap. With `watch_frame`
+        (the `fit` call's frame), the wrapper stops timing and removes
+        itself once that call has left the stack (`fit` raised: Keras
+        then calls no `on_train_end`), so a later `fit` keeps Keras's
+        asynchronous dispatch."""
         uninstall(model)
         original = getattr(model, "train_function", None)
         if original is None:
             return False
+        import threading
+
         import jax
 
+        from keras_mgpu.monitoring.sampler import _frame_on_stack
+
         timer = self
+        thread = threading.get_ident()
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if timer.active and watch_frame is not None:
+                if not _frame_on_stack(thread, watch_frame):
+                    timer.active = False
+                    uninstall(model)
             if not timer.active:
                 return original(*args, **kwargs)
             start = time.perf_counter()
