@@ -63,7 +63,9 @@ class StragglerMonitor(*callback_bases()):
     batch fetch, callbacks and host work between steps, plus the step's
     own computation). A slow device, which makes the compiled step itself
     longer on one process, shows as a wait on every process and is not
-    told apart. On one JAX process it logs nothing (one warning).
+    told apart. The wrapper goes at `on_train_end`, or at the next call of
+    the train function after a `fit` that raised. On one JAX process it
+    logs nothing (one warning).
 
     Args:
         warn_ratio: float > 1 or None, the `step_time_ratio` that triggers
