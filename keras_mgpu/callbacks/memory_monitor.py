@@ -81,8 +81,12 @@ class MemoryMonitor(*callback_bases()):
     `MonitorWarning` says once per process that the memory the GPU reports
     in use is the preallocated pool, and how to turn it off
     (`XLA_PYTHON_CLIENT_PREALLOCATE=false`). Nothing imports TensorFlow.
-    `gather_workers=True` gathers nothing on one JAX process and is refused
-    on several (multi-process support on JAX is planned).
+    Across the processes of a JAX cluster
+    (`keras_mgpu.distribute.start_cluster()`) keys carry the `w<rank>_`
+    prefix (the process index) as on TensorFlow, and `gather_workers=True`
+    gives every process every process's figures, exchanged at each epoch
+    end with one small `process_allgather` (exact float64); on one JAX
+    process it gathers nothing.
 
     **Under tf.distribute** each worker of a multi-worker cluster reports
     its own devices into its own logs; keys then carry a `w<rank>_`

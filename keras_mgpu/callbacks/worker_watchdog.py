@@ -8,16 +8,18 @@ import threading
 import time
 from typing import Any
 
+from keras_mgpu import backend
 from keras_mgpu._flavour import callback_bases
 from keras_mgpu._validation import check_number
-from keras_mgpu.backend import ON_JAX_WATCHDOG, require_backend
+from keras_mgpu.backend import require_backend
 from keras_mgpu.monitoring.notices import Notices
 from keras_mgpu.monitoring.sampler import _frame_on_stack, training_frame
 
 
 class WorkerWatchdog(*callback_bases()):
     """Fail every surviving worker, within `timeout` seconds, when a worker
-    of a `MultiWorkerMirroredStrategy` cluster dies or stalls, with an error
+    of a `MultiWorkerMirroredStrategy` cluster (or a process of a JAX
+    cluster) dies or stalls, with an error
     that names the missing task and what it was doing.
 
     In synchronous multi-worker training a worker that is killed, frozen or
@@ -59,6 +61,29 @@ class WorkerWatchdog(*callback_bases()):
     ("/job:worker/replica:0/task:1"). On an `evaluator` task, outside
     multi-worker training, or on one machine it does nothing.
 
+    **On Keras's JAX backend** it watches the processes of a
+    `jax.distributed` cluster (`keras_mgpu.distribute.start_cluster()`,
+    `DataParallel` over every process's devices) the same way, through
+    JAX's distributed key-value store (the coordination service on
+    process 0, `keras_mgpu.backend.jax.kv_store`), with the same message;
+    processes are named "process:1", with host and process id once their
+    first status is read ("process:1 (host, pid 4242)"). What differs is
+    the end: no JAX or XLA call can make a gloo (or NCCL) collective that
+    waits for a missing process return, so instead of raising, the process
+    logs the message (logger "keras_mgpu", or stderr when logging is not
+    configured) and exits at once with status 75 (`os._exit`;
+    `keras_mgpu.backend.jax.processes.EXIT_CODE`), and the launcher
+    restarts the job. Once process 0 exits, JAX's coordination service is
+    gone and JAX ends every other process (SIGABRT, "Connection reset by
+    peer"); a process that exits first is named "left the run" by its
+    peers, which exit too. Without the watchdog the survivors of a killed
+    process end when gloo notices (SIGABRT; at once in some runs) or when
+    JAX's heartbeat declares it dead
+    (`start_cluster(heartbeat_timeout=...)`, 60 s by default), and a
+    stalled process is waited for forever. A SIGKILLed process may still
+    end its peers through gloo before the watchdog names it. On one JAX
+    process it does nothing.
+
     It reads no tensor and adds no collective: its cost is one key-value
     write per heartbeat, and reads of every peer only while this worker
     waits. `timeout` must exceed the longest legitimate step (including
@@ -86,11 +111,7 @@ class WorkerWatchdog(*callback_bases()):
     def __init__(
         self, *, timeout: float = 300.0, heartbeat_interval: float = 1.0
     ) -> None:
-        require_backend(
-            "WorkerWatchdog",
-            ("tensorflow",),
-            instead=ON_JAX_WATCHDOG,
-        )
+        require_backend("WorkerWatchdog")
         super().__init__()
         self.timeout = check_number(
             timeout, "timeout", minimum=0.0, exclusive_minimum=True
@@ -179,16 +200,27 @@ class WorkerWatchdog(*callback_bases()):
         self._state["phase"] = self._state["pass"] = (
             "train" if kind == "fit" else kind
         )
-        strategy = getattr(self.model, "distribute_strategy", None)
-        if strategy is None or not is_multi_worker(strategy):
-            return
-        info = worker_info(strategy)
+        if backend.is_jax():
+            from keras_mgpu.backend.jax.processes import process_name
+
+            info = worker_info()
+            if info["num_workers"] < 2:
+                return
+            rank = int(info["rank"])
+            names = [
+                process_name(r, own=r == rank)
+                for r in range(int(info["num_workers"]))
+            ]
+        else:
+            strategy = getattr(self.model, "distribute_strategy", None)
+            if strategy is None or not is_multi_worker(strategy):
+                return
+            info = worker_info(strategy)
+            rank, names = int(info["rank"]), member_names(strategy)
         # The n-th watched run of each process is the same run on every
         # worker (they run the same program): its keys are apart from any
         # earlier run's, whose statuses may linger.
-        status = WorkerStatus(
-            int(info["rank"]), member_names(strategy), f"run{next(_RUNS)}"
-        )
+        status = WorkerStatus(rank, names, f"run{next(_RUNS)}")
         self.report = None
         self._run = _Run(
             self, kind, status, threading.get_ident(), training_frame()
@@ -259,6 +291,7 @@ class _Run:
         self._owner = owner
         self._thread_id = thread_id
         self._frame = frame  # the `fit` (evaluate, predict) call's frame
+        self._framework = "JAX" if backend.is_jax() else "TensorFlow"
         self._started = time.monotonic()
         self._stop = threading.Event()
         self._ended: str | None = None
@@ -302,6 +335,7 @@ class _Run:
             "progress": state["progress"],
             "in_step": state["in_step"],
             "in_tensorflow": in_tensorflow,
+            "framework": self._framework,
             "where": where,
             "for": time.monotonic() - state["since"],
             "since": state["since"],
@@ -313,6 +347,17 @@ class _Run:
             self.status.publish(self.own_status(seq))
         except Exception:  # the chief's store is gone: peers notice us
             pass
+
+    def _publish_final(self) -> None:
+        """Publish the status that says why this worker leaves, retrying
+        while a heartbeat's write is still under way (for up to 2 s)."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                self.status.publish(self.own_status(-1))
+                return
+            except Exception:  # a write in flight, or the store is gone
+                time.sleep(0.05)
 
     def _heartbeats(self) -> None:
         seq = 0
@@ -356,6 +401,7 @@ class _Run:
                     now - self._started,
                     owner.stale_after,
                     owner.timeout,
+                    self.status.service,
                 )
                 for record in records.values()
             ]
@@ -373,6 +419,18 @@ class _Run:
 
         report = missing_workers_message(own, lines, waited)
         self._owner.report = report
+        if backend.is_jax():
+            from keras_mgpu.backend.jax.processes import EXIT_CODE, exit_process
+
+            # Peers learn at once that we leave, and why; then this
+            # process ends (nothing aborts a JAX collective).
+            self._ended = (
+                f"it exited with status {EXIT_CODE} after waiting "
+                f"{waited:.0f} s"
+            )
+            self._publish_final()
+            exit_process(report)
+            return
         abort_collectives(report)
         # Peers waiting for us learn at once that we left, and why.
         self._ended = f"it aborted its collectives after waiting {waited:.0f} s"

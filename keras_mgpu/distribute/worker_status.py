@@ -1,22 +1,22 @@
-"""What each worker of a cluster is doing, shared through TensorFlow's
-coordination service, and the message that names a missing worker.
+"""What each worker of a cluster is doing, shared through the cluster's
+key-value store, and the message that names a missing worker.
 
-`MultiWorkerMirroredStrategy` starts TensorFlow's coordination service (a
-key-value store on the chief) in every collective member. A `WorkerStatus`
-publishes this worker's phase there (a train, validation, evaluate or
-predict step, inside TensorFlow or in Python at a file and line) with a
-heartbeat counter, and reads its peers'. Keys are namespaced by run (each
-watched `fit`, `evaluate` or `predict` call), so a status left by an earlier
-run is never read as live. `PeerRecord` follows one peer's heartbeats by
-this worker's own clock (hosts' clocks may differ) and says whether it is
-missing.
+Both backends' clusters keep a key-value store every process reaches
+without a collective: TensorFlow's coordination service (on the chief of a
+`MultiWorkerMirroredStrategy` cluster,
+`keras_mgpu.backend.tensorflow.kv_store`) and JAX's distributed service (on
+process 0 of a `jax.distributed` cluster, `keras_mgpu.backend.jax.kv_store`).
+A `WorkerStatus` publishes this worker's phase there (a train, validation,
+evaluate or predict step, inside the framework or in Python at a file and
+line) with a heartbeat counter, and reads its peers'. Keys are namespaced by
+run (each watched `fit`, `evaluate` or `predict` call), so a status left by
+an earlier run is never read as live. `PeerRecord` follows one peer's
+heartbeats by this worker's own clock (hosts' clocks may differ) and says
+whether it is missing.
 
-The key-value calls and collective abort are TensorFlow's private eager
-context methods (TF 2.16-2.21): `set_config_key_value`,
-`get_config_key_value`, `delete_config_key_value`, `abort_collective_ops`.
-Every call runs on a pool thread with a time limit, so a dead chief (which
-hosts the store) cannot hang the caller; writes and reads have separate
-pools, so reading peers never delays this worker's own heartbeat.
+Every store call runs on a daemon thread with a time limit, so a dead
+service cannot hang the caller; writes and reads use separate threads, so
+reading peers never delays this worker's own heartbeat.
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 _KEY_PREFIX = "keras_mgpu/worker_status"
-# Where a thread is "inside TensorFlow": TensorFlow's own Python code, or
-# Keras's (both flavours) driving it; a thread elsewhere runs user code.
+# Where a thread is "inside the framework": TensorFlow's or JAX's own
+# Python code, or Keras's (both flavours) driving it; a thread elsewhere
+# runs user code.
 _FRAMEWORK_PATHS = tuple(
-    os.sep + name + os.sep for name in ("tensorflow", "keras", "tf_keras")
+    os.sep + name + os.sep
+    for name in ("tensorflow", "keras", "tf_keras", "jax", "jaxlib")
 )
 # Python's own library (threading, multiprocessing, ...): skipped when
 # naming where a thread is.
@@ -49,11 +51,11 @@ def _is_stdlib(filename: str) -> bool:
 
 
 def describe_frame(thread_id: int) -> tuple[bool, str]:
-    """(inside TensorFlow?, where) for the thread's innermost frame outside
-    Python's standard library.
+    """(inside the framework?, where) for the thread's innermost frame
+    outside Python's standard library.
 
     A training thread blocked in a collective or computing a step sits in
-    TensorFlow's (or Keras's) Python code, or below it in the standard
+    TensorFlow's, JAX's (or Keras's) Python code, or below it in the standard
     library (an eager all-reduce waits on a `multiprocessing` thread pool);
     one stuck in a callback, a Python data generator or user code sits
     elsewhere, and that place is named.
@@ -70,16 +72,54 @@ def describe_frame(thread_id: int) -> tuple[bool, str]:
     return inside, f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
 
 
+class KeyValueStore(Protocol):
+    """What `WorkerStatus` needs from a cluster's key-value store (one per
+    backend, under `keras_mgpu/backend/<name>/kv_store.py`)."""
+
+    service: str  # "the coordination service"
+    host: str  # "on the chief"
+
+    def set(self, key: str, value: str) -> None:
+        """Set `key`, replacing any value."""
+
+    def get(self, key: str, timeout: float) -> str | None:
+        """The value of `key`, None when it is not set; raises when the
+        store fails."""
+
+    def delete(self, key: str) -> None:
+        """Delete `key` or the folder `key`; nothing when there is none."""
+
+
+def key_value_store() -> KeyValueStore:
+    """The running backend's cluster store: TensorFlow's coordination
+    service, or JAX's distributed service (raises
+    `KeyValueStoreUnavailable` when this JAX lacks it)."""
+    from keras_mgpu import backend
+
+    if backend.is_jax():
+        from keras_mgpu.backend.jax.kv_store import JaxKeyValueStore
+
+        return JaxKeyValueStore()
+    from keras_mgpu.backend.tensorflow.kv_store import TFKeyValueStore
+
+    return TFKeyValueStore()
+
+
 class WorkerStatus:
-    """This worker's status in the coordination service, and its peers'.
+    """This worker's status in the cluster's key-value store, and its
+    peers'.
 
     Args:
         rank: int, this worker's rank (`worker_info(strategy)["rank"]`).
         names: list of str, every member's name by rank
-            (`member_names(strategy)`: "chief:0 (host:port)", ...).
+            (`member_names(strategy)`: "chief:0 (host:port)", ...;
+            "process:1" on JAX).
         run: str, the run's namespace, the same on every worker.
         kv_timeout: float, seconds any key-value call may take.
         read_timeout: float, seconds a read waits for a key not (yet) set.
+        store: the key-value store (`set`, `get`, `delete`, and `service`,
+            `host` naming it); defaults to the running backend's
+            (`key_value_store()`).
     """
 
     def __init__(
@@ -89,12 +129,14 @@ class WorkerStatus:
         run: str,
         kv_timeout: float = 5.0,
         read_timeout: float = 1.0,
+        store: KeyValueStore | None = None,
     ) -> None:
         self.rank = rank
         self.names = list(names)
         self.run = run
         self.kv_timeout = kv_timeout
         self.read_timeout = read_timeout
+        self.store = key_value_store() if store is None else store
         # Each call runs on a daemon thread of its own, at most one at a
         # time per key: a read stuck on a missing key or a dead chief never
         # delays this worker's heartbeat, and a call that never returns
@@ -141,19 +183,23 @@ class WorkerStatus:
     def slot_key(self, rank: int, slot: int) -> str:
         return f"{self.key(rank)}/{slot}"
 
+    @property
+    def service(self) -> str:
+        """ "the coordination service (on the chief)", ..."""
+        return f"{self.store.service} ({self.store.host})"
+
     def publish(self, status: dict) -> None:
         """Replace this worker's status. Raises when the store does not
         answer within `kv_timeout`.
 
-        The store does not overwrite a key, so a status is written as a
-        delete and a set; done on one key, a worker killed in between
+        TensorFlow's store does not overwrite a key, so a status is written
+        as a delete and a set; done on one key, a worker killed in between
         would leave no status, which reads as "finished the run". Two
-        slots are written in turn instead, each status numbered: the slot
-        not being written holds the previous status, and readers take the
-        newer of the two (the first publication fills both)."""
-        from tensorflow.python.eager import context
-
-        ctx = context.context()
+        slots are written in turn instead (on both backends: one scheme),
+        each status numbered: the slot not being written holds the previous
+        status, and readers take the newer of the two (the first
+        publication fills both)."""
+        store = self.store
         self._version = getattr(self, "_version", 0) + 1
         version = self._version
         value = json.dumps({**status, "name": self.name, "version": version})
@@ -162,12 +208,7 @@ class WorkerStatus:
 
         def write():
             for key in keys:
-                if version > 1:
-                    try:
-                        ctx.delete_config_key_value(key)
-                    except Exception:  # not set: nothing to delete
-                        pass
-                ctx.set_config_key_value(key, value)
+                store.set(key, value)
 
         self._start("write", write).result(timeout=self.kv_timeout)
 
@@ -175,9 +216,7 @@ class WorkerStatus:
         """Delete this worker's status (the run ended normally): the
         folder of its slots (the store deletes a folder's keys at once),
         then each slot in case it does not."""
-        from tensorflow.python.eager import context
-
-        ctx = context.context()
+        store = self.store
         keys = [self.key(self.rank)] + [
             self.slot_key(self.rank, slot) for slot in (0, 1)
         ]
@@ -185,7 +224,7 @@ class WorkerStatus:
         def delete():
             for key in keys:
                 try:
-                    ctx.delete_config_key_value(key)
+                    store.delete(key)
                 except Exception:  # gone already
                     pass
 
@@ -198,10 +237,6 @@ class WorkerStatus:
         """Every peer's `(status, error)`, read in parallel: `(None, None)`
         for a peer without status, `(None, error)` when the store failed.
         Of a peer's two slots the newer status is taken."""
-        from tensorflow.python.eager import context
-
-        ctx = context.context()
-        timeout_ms = max(int(self.read_timeout * 1000), 1)
         futures: dict[tuple[int, int], Any] = {}
         answers: dict[int, list[tuple[dict | None, str | None]]] = {
             rank: [] for rank in self.peers
@@ -211,24 +246,33 @@ class WorkerStatus:
                 try:
                     futures[rank, slot] = self._start(
                         f"read {rank}/{slot}",
-                        ctx.get_config_key_value,
+                        self.store.get,
                         self.slot_key(rank, slot),
-                        timeout_ms,
+                        self.read_timeout,
                     )
                 except TimeoutError as exc:
-                    answers[rank].append((None, _read_error(exc)))
+                    answers[rank].append((None, self._read_error(exc)))
         deadline = time.monotonic() + self.kv_timeout
         for (rank, _), future in futures.items():
             try:
                 text = future.result(max(deadline - time.monotonic(), 0.01))
             except Exception as exc:
-                answers[rank].append((None, _read_error(exc)))
+                answers[rank].append((None, self._read_error(exc)))
+                continue
+            if text is None:  # not set: no status
+                answers[rank].append((None, None))
                 continue
             try:
                 answers[rank].append((json.loads(text), None))
             except ValueError:
                 answers[rank].append((None, None))
         return {rank: _newest(found) for rank, found in answers.items()}
+
+    def _read_error(self, exc: BaseException) -> str:
+        """What went wrong reading the store."""
+        if isinstance(exc, (TimeoutError, concurrent.futures.TimeoutError)):
+            return f"{self.store.service} did not answer"
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
 
 def _newest(
@@ -241,20 +285,6 @@ def _newest(
         return max(statuses, key=lambda s: int(s.get("version", 0))), None
     errors = [error for _, error in answers if error is not None]
     return None, (errors[0] if errors else None)
-
-
-def _read_error(exc: BaseException) -> str | None:
-    """None for a key that is not set (a peer without status); the error
-    otherwise (the store unreachable)."""
-    import tensorflow as tf
-
-    if isinstance(
-        exc, (tf.errors.NotFoundError, tf.errors.DeadlineExceededError)
-    ):
-        return None
-    if isinstance(exc, (TimeoutError, concurrent.futures.TimeoutError)):
-        return "the coordination service did not answer"
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
 
 def where_in_run(status: dict) -> str:
@@ -308,6 +338,8 @@ class PeerRecord:
             return
         self.status = status
         self.seen = True
+        # The peer's own name may say more (on JAX: its host and pid).
+        self.name = str(status.get("name") or self.name)
         if status.get("seq") != self._seq:
             self._seq, self._changed_at = status.get("seq"), now
 
@@ -326,6 +358,7 @@ class PeerRecord:
         run_age: float,
         stale_after: float,
         grace: float,
+        service: str = "the coordination service (on the chief)",
     ) -> tuple[str, str]:
         """(verdict, one line) while this worker waits in a step.
 
@@ -334,14 +367,16 @@ class PeerRecord:
         named if the wait reaches the timeout) or "ok". `run_age`: seconds
         since this worker began the run; a peer without status is gone only
         after `grace` of them (a slow but healthy start: a long dataset
-        build, a slow callback listed before the watchdog).
+        build, a slow callback listed before the watchdog). `service`: the
+        store that keeps the statuses, and where (`WorkerStatus.service`).
         """
         name = self.name
+        host = host_of(service)
         if self.failing_for(now) > stale_after:
             return "gone", (
-                f"{name}: unknown, the coordination service (on the chief) "
-                f"has not answered for {self.failing_for(now):.0f} s "
-                f"({self.error}; chief killed?)"
+                f"{name}: unknown, {service} has not answered for "
+                f"{self.failing_for(now):.0f} s ({self.error}; "
+                f"{host.removeprefix('the ')} killed?)"
             )
         status = self.status
         if not self.seen:
@@ -349,8 +384,8 @@ class PeerRecord:
                 return "ok", f"{name}: not started yet"
             return "gone", (
                 f"{name}: no status within {run_age:.0f} s of this worker's "
-                "start (never started this run, or the chief that hosts "
-                "the coordination service is gone)"
+                f"start (never started this run, or {host} that hosts "
+                f"{service[: service.rfind(' (on ')]} is gone)"
             )
         if status.get("ended"):
             return "gone", f"{name}: left the run ({status['ended']})"
@@ -364,6 +399,7 @@ class PeerRecord:
             )
         # As the peer measured it (its clock), at its last heartbeat.
         phase_for = float(status.get("for", 0.0))
+        framework = status.get("framework", "TensorFlow")
         if not status.get("in_tensorflow", False):
             return "suspect", (
                 f"{name}: stalled in Python for {phase_for:.0f} s at "
@@ -374,7 +410,7 @@ class PeerRecord:
                 f"{name}: behind, still in {where_in_run(status)}"
             )
         return "ok", (
-            f"{name}: in {where_in_run(status)} inside TensorFlow for "
+            f"{name}: in {where_in_run(status)} inside {framework} for "
             f"{phase_for:.0f} s (waiting too, or stuck computing)"
         )
 
@@ -401,10 +437,15 @@ def missing_workers_message(
     )
 
 
-def abort_collectives(message: str) -> None:
-    """Make this process's pending and future collectives fail with
-    `message` (TensorFlow's own health check does the same)."""
-    import tensorflow as tf
-    from tensorflow.python.eager import context
+def host_of(service: str) -> str:
+    """ "the chief" from "the coordination service (on the chief)"."""
+    start = service.rfind("(on ")
+    return service[start + 4 : -1] if start >= 0 else "its host"
 
-    context.context().abort_collective_ops(tf.errors.UNAVAILABLE, message)
+
+def abort_collectives(message: str) -> None:
+    """TensorFlow: make this process's pending and future collectives fail
+    with `message` (`keras_mgpu.backend.tensorflow.kv_store`)."""
+    from keras_mgpu.backend.tensorflow.kv_store import abort_collectives
+
+    abort_collectives(message)

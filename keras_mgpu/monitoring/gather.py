@@ -1,5 +1,6 @@
 """Gather every worker's monitor figures onto every worker (the chief
-included), with two small collective all-reduces per call."""
+included), with two small collectives per call: all-reduces of
+`tf.distribute` on TensorFlow, `process_allgather` across JAX processes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import numpy as np
 
 from keras_mgpu import backend
 from keras_mgpu._validation import check_bool
-from keras_mgpu.backend import BackendNotSupportedError
 
 _WORKER_KEY = re.compile(r"^(?P<group>[a-z]+)/w(?P<task>\d+)_(?P<name>.+)$")
 
@@ -30,11 +30,12 @@ def gather_worker_figures(
     synchronous training is one). Each worker fills its own row of a
     `[num_workers, len(figures)]` float64 matrix, zeros elsewhere; a SUM
     all-reduce gives every worker the whole matrix exactly (each cell has
-    one non-zero term). Raises `KeysDiffer` when the workers' key sets
-    differ, found by a first, fixed-size reduction of each worker's key
-    count and key-set checksum.
+    one non-zero term). On JAX (`strategy` is the `keras.distribution` in
+    force, or None) each process's row is all-gathered instead, bit for
+    bit. Raises `KeysDiffer` when the workers' key sets differ, found by a
+    first, fixed-size exchange of each worker's key count and key-set
+    checksum.
     """
-    from keras_mgpu.distribute.collectives import sum_over_workers
 
     names = []
     for key in sorted(figures):
@@ -48,16 +49,18 @@ def gather_worker_figures(
     # matrix below can only be all-reduced if every worker's has the same
     # shape. Integers below 2**32 sum exactly in float64, and the sums
     # equal num_workers times ours only if every worker's header is ours.
-    header = np.zeros((num_workers, 2), dtype=np.float64)
-    header[task_id] = [len(names), zlib.crc32(repr(names).encode())]
-    headers = sum_over_workers(strategy, header)
-    if not np.array_equal(headers.sum(axis=0), num_workers * header[task_id]):
+    header = np.array(
+        [len(names), zlib.crc32(repr(names).encode())], dtype=np.float64
+    )
+    headers = _all_rows(strategy, header, task_id, num_workers)
+    if not np.array_equal(headers.sum(axis=0), num_workers * header):
         raise KeysDiffer(
             "the workers log different figures (different devices?)"
         )
-    matrix = np.zeros((num_workers, len(names)), dtype=np.float64)
-    matrix[task_id] = [figures[f"{g}/w{task_id}_{n}"] for g, n in names]
-    total = sum_over_workers(strategy, matrix)
+    row = np.array(
+        [figures[f"{g}/w{task_id}_{n}"] for g, n in names], dtype=np.float64
+    )
+    total = _all_rows(strategy, row, task_id, num_workers)
     gathered = {}
     for worker in range(num_workers):
         for column, (group, name) in enumerate(names):
@@ -65,26 +68,20 @@ def gather_worker_figures(
     return gathered
 
 
-def _several_jax_processes() -> bool:
-    """True on Keras's JAX backend once `jax.distributed` runs several
-    processes. Asks JAX only when its distributed system is initialised:
-    counting processes before `keras.distribution.initialize()` would start
-    JAX's backends and make that call fail."""
-    if not backend.is_jax():
-        return False
-    import jax
+def _all_rows(
+    strategy: Any, row: np.ndarray, task_id: int, num_workers: int
+) -> np.ndarray:
+    """Every worker's `row`, stacked by rank, on every worker (a collective:
+    each worker calls it at the same point)."""
+    if backend.is_jax():
+        from keras_mgpu.backend.jax.processes import allgather_rows
 
-    return jax.distributed.is_initialized() and jax.process_count() > 1
+        return allgather_rows(row)
+    from keras_mgpu.distribute.collectives import sum_over_workers
 
-
-def _jax_gather_refusal(owner: str) -> BackendNotSupportedError:
-    return BackendNotSupportedError(
-        f"{owner}(gather_workers=True) on several JAX processes is not "
-        "supported yet: gathering uses TensorFlow's collectives "
-        "(multi-process support on JAX is planned, issue 29). Pass "
-        "gather_workers=False: each process then logs its own figures "
-        "under its w<rank>_ prefix."
-    )
+    matrix = np.zeros((num_workers, row.size), dtype=np.float64)
+    matrix[task_id] = row
+    return sum_over_workers(strategy, matrix)
 
 
 class WorkerGathering:
@@ -100,9 +97,8 @@ class WorkerGathering:
     def __init__(self, enabled: bool, owner: str) -> None:
         self.enabled = check_bool(enabled, "gather_workers")
         self._owner = owner
-        if self.enabled and _several_jax_processes():
-            raise _jax_gather_refusal(owner)
         self._strategy = None
+        self._jax_active = False
         self.task_id = 0
         self.num_workers = 1
 
@@ -123,17 +119,9 @@ class WorkerGathering:
         # logs its own figures under its own prefix, and gathers nothing.
         member = info["rank"] is not None
         active = self.enabled and self.num_workers > 1 and member
-        if active and backend.is_jax():
-            # JAX started its processes after this monitor was built
-            # (construction refuses when they already run).
-            if notices is not None:
-                notices.warn(
-                    "gather-jax",
-                    f"{self._owner}: gather_workers uses TensorFlow's "
-                    "collectives, not available across JAX processes yet "
-                    "(issue 29); each process logs its own figures.",
-                )
-            active = False
+        if backend.is_jax():
+            # Every JAX process runs the callbacks of one program: in step.
+            pass
         elif active and not isinstance(
             strategy, tf.distribute.MultiWorkerMirroredStrategy
         ):
@@ -149,11 +137,14 @@ class WorkerGathering:
                 )
             active = False
         self._strategy = strategy if active else None
+        # On JAX the processes need no strategy object to exchange figures
+        # (there may be no distribution in force).
+        self._jax_active = active and backend.is_jax()
         return worker_prefix(True if active else prefix_option, strategy)
 
     @property
     def active(self) -> bool:
-        return self._strategy is not None
+        return self._strategy is not None or self._jax_active
 
     def expand_keys(self, keys: list[str]) -> list[str]:
         if not self.active:

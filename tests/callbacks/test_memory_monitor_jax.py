@@ -14,11 +14,10 @@ from monitoring._jax_fakes import FakeMemoryStats, fake_device
 from monitoring._monitor_cases import MEMORY_MONITOR_BAD_INPUT
 from monitoring._monitor_fakes import FakePsutil
 
-from keras_mgpu.backend import BackendNotSupportedError
 from keras_mgpu.backend.jax.memory import JAXMemoryReader
 from keras_mgpu.callbacks import MemoryMonitor
 from keras_mgpu.callbacks import memory_monitor as memory_monitor_module
-from keras_mgpu.monitoring import HostBackend, MonitorWarning, gather, notices
+from keras_mgpu.monitoring import HostBackend, MonitorWarning, notices
 
 HOST_KEYS = {
     "mem/host_rss_mb",
@@ -233,16 +232,48 @@ def test_cpu_devices_of_a_data_parallel_fit_log_host_figures(gather_workers):
     assert history.history["mem/host_rss_mb"] == [500.0, 500.0]
 
 
-def test_gather_workers_on_several_jax_processes_is_refused(monkeypatch):
-    monkeypatch.setattr(gather, "_several_jax_processes", lambda: True)
-    with pytest.raises(
-        BackendNotSupportedError,
-        match=r"MemoryMonitor\(gather_workers=True\) on several JAX "
-        "processes is not supported yet: .*issue 29.* Pass "
-        "gather_workers=False",
-    ):
-        MemoryMonitor(gather_workers=True)
-    MemoryMonitor()  # without gathering: each process logs its own
+def test_gather_workers_on_several_jax_processes_logs_every_process(
+    monkeypatch,
+):
+    """Several JAX processes (faked: process 0 of 2, the other process's
+    row being twice ours): every process's figures under its `w<k>_`
+    prefix, exchanged by `process_allgather` (the 2-process run is in
+    tests/distribute/test_jax_monitors_jax.py)."""
+    import numpy as np
+
+    from keras_mgpu import distribute
+    from keras_mgpu.backend.jax import processes
+    from keras_mgpu.monitoring import log_keys
+
+    two = {
+        "task_type": "process",
+        "task_id": 0,
+        "rank": 0,
+        "num_workers": 2,
+        "is_chief": True,
+        "task_name": "process:0",
+    }
+    monkeypatch.setattr(distribute, "worker_info", lambda strategy=None: two)
+    monkeypatch.setattr(log_keys, "worker_info", lambda strategy=None: two)
+    exchanged = []
+
+    def allgather_rows(row):
+        exchanged.append(row.size)
+        other = row if len(exchanged) % 2 else 2 * row  # header, figures
+        return np.stack([row, other])
+
+    monkeypatch.setattr(processes, "allgather_rows", allgather_rows)
+    monitor = with_sources(
+        MemoryMonitor(gather_workers=True), psutil=FakePsutil()
+    )
+    with pytest.warns(MonitorWarning, match="no memory statistics"):
+        history = fit(monitor)
+    assert set(monitor.keys) == {
+        key.replace("mem/", f"mem/w{w}_") for key in HOST_KEYS for w in (0, 1)
+    }
+    assert history.history["mem/w0_host_rss_mb"] == [500.0, 500.0]
+    assert history.history["mem/w1_host_rss_mb"] == [1000.0, 1000.0]
+    assert exchanged == [2, 3, 2, 3]  # header, then figures, per epoch
 
 
 @pytest.mark.parametrize("kwargs, error, match", MEMORY_MONITOR_BAD_INPUT)
