@@ -2,11 +2,13 @@
 
 Keras's own layout is the model (`keras/src/backend/<name>/`): component code
 is written once against Keras's public API and `keras.ops`; what only one
-backend can do lives in `keras_mgpu/backend/<name>/` (today `jax/`; the
-TensorFlow pieces still live beside the components that use them, reached
-through `keras_mgpu._flavour.tf`). A component asks `require_backend` at
-construction, so an unsupported backend is a clear error naming it and the
-supported ones, never a trace from deep inside a training step.
+backend can do lives in `keras_mgpu/backend/<name>/` (`jax/`; `tensorflow/`
+holds TensorFlow's coordination-service key-value store and collective
+abort; the other TensorFlow pieces still live beside the components that use
+them, reached through `keras_mgpu._flavour.tf`). A component asks
+`require_backend` at construction, so an unsupported backend is a clear
+error naming it and the supported ones, never a trace from deep inside a
+training step.
 
 The backend is the one Keras runs on: `keras.backend.backend()` for Keras 3,
 "tensorflow" for tf_keras. keras_mgpu picks TensorFlow when `KERAS_BACKEND` is
@@ -47,14 +49,6 @@ ON_JAX_MULTI_PROCESS = (
     "with bounded waits and gloo on CPU; it returns a DataParallel over "
     "every process's devices) and keras_mgpu.distribute."
     "shard_across_processes() for NumPy arrays, PyDatasets and generators"
-)
-ON_JAX_WATCHDOG = (
-    "the heartbeat of jax.distributed (start_cluster(heartbeat_timeout=...)); "
-    "WorkerWatchdog across JAX processes is planned (issue 29)"
-)
-ON_JAX_STRAGGLER = (
-    "MemoryMonitor and the fit logs; StragglerMonitor across JAX processes "
-    "is planned (issue 29)"
 )
 
 

@@ -14,7 +14,6 @@ from monitoring._jax_fakes import fake_device
 from monitoring._monitor_cases import GPU_FIGURES, GPU_LOAD_MONITOR_BAD_INPUT
 from monitoring._monitor_fakes import FakeNvml, FakePsutil, gpu
 
-from keras_mgpu.backend import BackendNotSupportedError
 from keras_mgpu.backend.jax import devices as jax_devices
 from keras_mgpu.callbacks import GPULoadMonitor
 from keras_mgpu.callbacks import gpu_load_monitor as gpu_load_monitor_module
@@ -22,7 +21,6 @@ from keras_mgpu.monitoring import (
     HostBackend,
     MonitorWarning,
     NvmlBackend,
-    gather,
     notices,
 )
 from keras_mgpu.monitoring.sampler import live_sampler_threads
@@ -126,13 +124,10 @@ def test_on_cpu_devices_as_on_tensorflow_without_gpus(monkeypatch):
     assert history.history["cpu/util_spread_pct"] == [80.0, 80.0]
 
 
-def test_gather_workers_on_several_jax_processes_is_refused(monkeypatch):
-    monkeypatch.setattr(gather, "_several_jax_processes", lambda: True)
-    with pytest.raises(
-        BackendNotSupportedError,
-        match=r"GPULoadMonitor\(gather_workers=True\) on several JAX",
-    ):
-        GPULoadMonitor(gather_workers=True)
+def test_gather_workers_constructs_for_several_jax_processes():
+    """Gathering runs across JAX processes (issue 29); the 2-process run
+    is in tests/distribute/test_jax_monitors_jax.py."""
+    assert GPULoadMonitor(gather_workers=True).gather_workers is True
 
 
 @pytest.mark.parametrize("kwargs, error, match", GPU_LOAD_MONITOR_BAD_INPUT)

@@ -94,7 +94,6 @@ def run_all():
     import keras
     import numpy as np
 
-    import keras_mgpu
     from keras_mgpu.distribute import shard_across_processes, worker_info
 
     out = {"worker_info": worker_info()}
@@ -199,18 +198,6 @@ def run_all():
 
     out.update(model_parallel_fit())
 
-    # What is not multi-process on JAX yet refuses at construction.
-    callbacks = keras_mgpu.callbacks
-    out["refusals"] = {
-        "BackupAndRestore": _error(
-            lambda: callbacks.BackupAndRestore("/nonexistent/backup")
-        ),
-        "WorkerWatchdog": _error(lambda: callbacks.WorkerWatchdog()),
-        "StragglerMonitor": _error(lambda: callbacks.StragglerMonitor()),
-        "MemoryMonitor(gather_workers=True)": _error(
-            lambda: callbacks.MemoryMonitor(gather_workers=True)
-        ),
-    }
     return out
 
 

@@ -115,20 +115,6 @@ def test_inputs_that_cannot_be_split_are_refused(cluster, key, match):
     assert [out["dropped_last_batch"] for out in cluster] == [3, 3]
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "BackupAndRestore",
-        "WorkerWatchdog",
-        "StragglerMonitor",
-        "MemoryMonitor(gather_workers=True)",
-    ],
-)
-def test_what_is_not_multi_process_yet_refuses_at_construction(cluster, name):
-    for out in cluster:
-        assert out["refusals"][name].startswith("BackendNotSupportedError")
-
-
 def _one_process_fit(optimizer, epochs_of_batches, callbacks=()):
     """Train on the given global batches in one process, one device."""
     import keras
