@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, Union
 
-from keras_mgpu._flavour import IS_TF_KERAS, TF_RUNS, check_flavour, keras
+from keras_mgpu._flavour import IS_TF_KERAS, check_flavour, keras
 from keras_mgpu._validation import check_choice
 from keras_mgpu.backend import require_backend
 from keras_mgpu.layers import _rebuild
@@ -466,13 +466,8 @@ def _apply_in_place(
         # A chosen block recomputes everything inside it.
         _restore_in_place(layer)
     if policy == "selective":
-        policy_fn = None
-        if not TF_RUNS:
-            from keras_mgpu.backend.jax.recompute import save_matmuls
-
-            policy_fn = save_matmuls
         for layer in chosen:
-            recompute_selective(layer, policy_fn)
+            recompute_selective(layer)
         reset_compiled_functions(model)
         return model
     placed: set = set()
@@ -681,12 +676,7 @@ def carry_recompute(
             if is_switched_per_layer(original):
                 recompute_layer_in_place(twin)
             elif is_selective(original):
-                policy_fn = None
-                if not TF_RUNS:
-                    from keras_mgpu.backend.jax.recompute import save_matmuls
-
-                    policy_fn = save_matmuls
-                recompute_selective(twin, policy_fn)
+                recompute_selective(twin)
             graph, twin_graph = graph_of(original), graph_of(twin)
             if graph is not None and twin_graph is not None:
                 _carry_segments(graph, twin_graph, what)
