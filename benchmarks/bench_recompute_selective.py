@@ -206,7 +206,8 @@ def make_step(backbone, case: str):
         with tf.GradientTape() as tape:
             loss = _loss(backbone(x, training=True))
         for v, g in zip(variables, tape.gradient(loss, variables)):
-            v.assign_sub(1e-3 * tf.convert_to_tensor(g))
+            if g is not None:  # Llama's untied output embedding: unused
+                v.assign_sub(1e-3 * tf.convert_to_tensor(g))
         return loss
 
     def step(x):
