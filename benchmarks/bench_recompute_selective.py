@@ -334,13 +334,15 @@ def report(kind: str, args: argparse.Namespace) -> list:
         _emit(row, args)
     base = rows[0]
     for row in rows[1:]:
-        if "error" in row or "error" in base or not base["activation_mib"]:
+        if "error" in row or "error" in base:
             continue
         ratio = {
             "ratio": f"{_backend()} {kind} {row['case']}/none",
             "hidden": args.hidden,
             "seq": args.seq,
-            "memory": round(row["activation_mib"] / base["activation_mib"], 3),
+            "memory": round(row["activation_mib"] / base["activation_mib"], 3)
+            if base["activation_mib"]
+            else None,
             "step_time": round(row["step_time_ms"] / base["step_time_ms"], 3),
             "load_avg_1_5_15": load,
         }
