@@ -308,7 +308,7 @@ def time_cases(kind: str, args: argparse.Namespace) -> dict:
 
 def report(kind: str, args: argparse.Namespace) -> list:
     if args.memory == "0":
-        mem = {case: {"activation_mib": 0.0} for case in CASES}
+        mem = {case: {"activation_mib": None} for case in CASES}
     else:
         mem = {case: _memory_child(kind, case, args) for case in CASES}
     times = time_cases(kind, args)
@@ -341,7 +341,7 @@ def report(kind: str, args: argparse.Namespace) -> list:
             "hidden": args.hidden,
             "seq": args.seq,
             "memory": round(row["activation_mib"] / base["activation_mib"], 3)
-            if base["activation_mib"]
+            if base["activation_mib"] and row["activation_mib"] is not None
             else None,
             "step_time": round(row["step_time_ms"] / base["step_time_ms"], 3),
             "load_avg_1_5_15": load,

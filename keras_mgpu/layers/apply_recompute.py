@@ -333,7 +333,7 @@ def apply_recompute(
       `tf.custom_gradient` (TensorFlow) region. Gradients equal the plain
       model's to float rounding, dropout masks replayed. Measured on
       keras-hub GPT-2 / Llama, hidden 1024, sequence 512 (CPU): about
-      0.25-0.45x of plain's activations at about plain's step time
+      0.25-0.5x of plain's activations at about plain's step time
       (docs/guides/recompute-selective.md).
       `keras_mgpu.apply_recompute(backbone,
       keras_hub.layers.TransformerDecoder, policy="selective")`.
