@@ -16,16 +16,26 @@ transformer layers:
   shown for cost only). JAX: `jax.checkpoint` of the whole loss with
   `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`.
 
-Activation memory. JAX: bytes of the residuals the backward pass keeps
+Activation memory, each case alone in a subprocess. JAX
+(`activation_mib`): bytes of the residuals the backward pass keeps
 (`keras_mgpu.backend.jax.recompute_memory.residual_bytes`, read from the
-program; the CPU allocator shows nothing). TensorFlow: the allocator's peak
-during two steps minus what was resident before them, each case alone in a
-subprocess with `TF_ENABLE_ONEDNN_OPTS=1` (as `bench_recompute.py`).
+program; the CPU allocator shows nothing). TensorFlow, two figures with
+`TF_ENABLE_ONEDNN_OPTS=1` (allocator statistics): `tape_mib`, what an
+eager `GradientTape` holds after the forward pass (the activations kept for
+the backward pass, the quantity JAX's residuals measure), and
+`activation_mib`, the allocator's peak during two compiled steps minus what
+was resident before them (activations *and* the weight gradients, which no
+recompute removes; as `bench_recompute.py`).
+
+`regions`: how many recomputed regions the case runs per step (a
+`jax.checkpoint` or `tf.custom_gradient` each).
 
 Step time: every case of a model in one process, steps interleaved round by
-round (a busy machine slows all alike), median per case.
+round, the starting case rotated (a busy machine slows all alike), median
+per case. Each row carries the load average when it was written.
 
-One JSON line per case, then ratios against `none`.
+One JSON line per case, then ratios against `none`; `--out FILE` appends
+them to FILE too (`benchmarks/results/recompute_selective.jsonl`).
 
     KERAS_BACKEND=jax python benchmarks/bench_recompute_selective.py
     python benchmarks/bench_recompute_selective.py --hidden 256 --seq 1024
@@ -93,6 +103,7 @@ def build(kind: str, case: str, args: argparse.Namespace):
         apply_recompute(backbone, block, policy=case)
     elif case == "raw" and _backend() == "tensorflow":
         _raw_tf(backbone, block)
+    _REGIONS[case] = _count_regions(backbone, block, case)
     rng = np.random.default_rng(0)
     shape = (args.batch, args.seq)
     x = {
@@ -100,6 +111,34 @@ def build(kind: str, case: str, args: argparse.Namespace):
         "padding_mask": np.ones(shape, "int32"),
     }
     return backbone, x
+
+
+_REGIONS: dict = {}
+
+
+def _count_regions(backbone, block, case: str) -> int:
+    """Recomputed regions per step (see the module docstring)."""
+    from keras_mgpu.layers import recompute_in_place as switches
+
+    if case == "none":
+        return 0
+    if case == "raw":  # JAX: the whole loss; TensorFlow: each block
+        return 1 if _backend() == "jax" else len(_blocks(backbone, block))
+    count = 0
+    for layer in backbone._flatten_layers(include_self=False):
+        d = layer.__dict__
+        count += switches.is_switched_per_layer(layer)
+        count += "_compute_attention" in d
+        count += switches._ACTIVATION_MARK in d
+    return count
+
+
+def _blocks(backbone, block) -> list:
+    return [
+        layer
+        for layer in backbone._flatten_layers(include_self=False)
+        if isinstance(layer, block)
+    ]
 
 
 def _raw_tf(backbone, block) -> None:
@@ -167,7 +206,8 @@ def make_step(backbone, case: str):
         with tf.GradientTape() as tape:
             loss = _loss(backbone(x, training=True))
         for v, g in zip(variables, tape.gradient(loss, variables)):
-            v.assign_sub(1e-3 * tf.convert_to_tensor(g))
+            if g is not None:  # Llama's untied output embedding: unused
+                v.assign_sub(1e-3 * tf.convert_to_tensor(g))
         return loss
 
     def step(x):
@@ -187,10 +227,15 @@ def memory(kind: str, case: str, args: argparse.Namespace) -> dict:
             return loss_fn(t, n, x)[0]
 
         kept = residual_bytes(scalar, state["t"], state["n"], x)
-        return {"activation_mib": round(kept / 2**20, 1), "measure": "resid"}
+        return {
+            "activation_mib": round(kept / 2**20, 1),
+            "measure": "resid",
+            "regions": _REGIONS.get(case),
+        }
     from keras_mgpu._flavour import tf
 
     device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    tape_mib = _tape_held(backbone, x, device)
     step(x)
     step(x)
     tf.config.experimental.reset_memory_stats(device)
@@ -198,7 +243,34 @@ def memory(kind: str, case: str, args: argparse.Namespace) -> dict:
     for _ in range(2):
         step(x)
     peak = tf.config.experimental.get_memory_info(device)["peak"] - before
-    return {"activation_mib": round(peak / 2**20, 1), "measure": "peak"}
+    return {
+        "activation_mib": round(peak / 2**20, 1),
+        "measure": "peak",
+        "tape_mib": tape_mib,
+        "regions": _REGIONS.get(case),
+    }
+
+
+def _tape_held(backbone, x, device: str) -> float:
+    """MiB an eager `GradientTape` holds after the forward pass."""
+    import gc
+
+    from keras_mgpu._flavour import tf
+
+    def forward():
+        with tf.GradientTape() as tape:
+            loss = _loss(backbone(x, training=True))
+        return tape, loss
+
+    tape, loss = forward()  # warm-up: first-call allocations
+    tape.gradient(loss, backbone.trainable_variables)
+    del tape, loss
+    gc.collect()
+    before = tf.config.experimental.get_memory_info(device)["current"]
+    tape, loss = forward()
+    held = tf.config.experimental.get_memory_info(device)["current"] - before
+    del tape, loss
+    return round(held / 2**20, 1)
 
 
 def _memory_child(kind: str, case: str, args) -> dict:
@@ -235,9 +307,13 @@ def time_cases(kind: str, args: argparse.Namespace) -> dict:
 
 
 def report(kind: str, args: argparse.Namespace) -> list:
-    mem = {case: _memory_child(kind, case, args) for case in CASES}
+    if args.memory == "0":
+        mem = {case: {"activation_mib": None} for case in CASES}
+    else:
+        mem = {case: _memory_child(kind, case, args) for case in CASES}
     times = time_cases(kind, args)
     rows = []
+    load = [round(x, 2) for x in os.getloadavg()]
     for case in CASES:
         row = {
             "backend": _backend(),
@@ -248,31 +324,40 @@ def report(kind: str, args: argparse.Namespace) -> list:
             "seq": args.seq,
             "batch": args.batch,
             "step_time_ms": round(1000 * times[case], 1),
+            "rounds": args.rounds,
             **mem[case],
+            "load_avg_1_5_15": load,
+            "cpus": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        _emit(row, args)
     base = rows[0]
     for row in rows[1:]:
-        if "error" in row or "error" in base or not base["activation_mib"]:
+        if "error" in row or "error" in base:
             continue
-        print(
-            json.dumps(
-                {
-                    "ratio": f"{_backend()} {kind} {row['case']}/none",
-                    "hidden": args.hidden,
-                    "seq": args.seq,
-                    "memory": round(
-                        row["activation_mib"] / base["activation_mib"], 3
-                    ),
-                    "step_time": round(
-                        row["step_time_ms"] / base["step_time_ms"], 3
-                    ),
-                }
-            ),
-            flush=True,
-        )
+        ratio = {
+            "ratio": f"{_backend()} {kind} {row['case']}/none",
+            "hidden": args.hidden,
+            "seq": args.seq,
+            "memory": round(row["activation_mib"] / base["activation_mib"], 3)
+            if base["activation_mib"] and row["activation_mib"] is not None
+            else None,
+            "step_time": round(row["step_time_ms"] / base["step_time_ms"], 3),
+            "load_avg_1_5_15": load,
+        }
+        if row.get("tape_mib") and base.get("tape_mib"):
+            ratio["tape_memory"] = round(row["tape_mib"] / base["tape_mib"], 3)
+        _emit(ratio, args)
     return rows
+
+
+def _emit(record: dict, args: argparse.Namespace) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(line + "\n")
 
 
 def main() -> None:
@@ -282,9 +367,13 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--models", default="gpt2,llama")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None, help="append JSON lines here")
+    parser.add_argument(
+        "--memory", default="1", help="0: step times only (no subprocesses)"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:

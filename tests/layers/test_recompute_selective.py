@@ -21,7 +21,7 @@ keras_hub = pytest.importorskip(
     reason='keras-hub is not installed (pip install "keras-mgpu[hub]")',
 )
 
-from _hub_models import gpt2, llama  # noqa: E402
+from _hub_models import gpt2, llama, switched_parts  # noqa: E402
 from test_recompute_in_place import step  # noqa: E402
 
 from keras_mgpu import _flavour  # noqa: E402
@@ -93,11 +93,16 @@ def test_what_is_switched_and_strip_undoes_it():
     decoder = decoder_class("gpt2")
     apply_recompute(model, decoder, policy="selective")
     names = [layer.name for layer in recomputed_layers(model)]
-    assert names.count("self_attention_layer_norm") == 2
-    assert names.count("feedforward_dropout") == 2
+    # Issue 32: on TensorFlow every recomputed part is a custom-gradient
+    # region of its own, and the norms and dropouts (recomputed up to
+    # 130cf87) cost more step time than they saved memory: per block only
+    # the attention core and the feed-forward activation are recomputed.
+    assert "self_attention_layer_norm" not in names
+    assert "feedforward_dropout" not in names
     for block in model._flatten_layers(include_self=False):
         if not isinstance(block, decoder):
             continue
+        assert switched_parts(block) == REGIONS, switched_parts(block)
         attention = block._self_attention_layer
         # The attention core (scores, softmax, dropout, product with the
         # values) is recomputed; the projections are not.
@@ -105,13 +110,22 @@ def test_what_is_switched_and_strip_undoes_it():
         assert "call" not in attention._query_dense.__dict__
         # The intermediate Dense keeps its product, recomputes its GELU.
         dense = block._feedforward_intermediate_dense
-        assert "activation" in dense.__dict__
+        assert "_keras_mgpu_recompute_activation" in dense.__dict__
     assert model.get_config() == config
     strip_recompute(model)
     assert recomputed_layers(model) == []
     for layer in model._flatten_layers():
         assert not [k for k in layer.__dict__ if "keras_mgpu" in k]
         assert "_compute_attention" not in layer.__dict__
+
+
+# (The decoder's own `activation` is switched too: keras-hub's Llama decoder
+# calls it; GPT-2's hands it to its Dense, which holds the original.)
+REGIONS = [
+    "(block).activation",
+    "self_attention._compute_attention",
+    "feedforward_intermediate_dense.activation",
+]
 
 
 @pytest.mark.slow

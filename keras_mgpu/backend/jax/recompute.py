@@ -117,24 +117,6 @@ class _RegionScope(keras.StatelessScope):
 # ---------------------------------------------------------------------------
 
 
-def save_matmuls(prim: Any, *args: Any, **params: Any) -> bool:
-    """The `jax.checkpoint` policy of selective recompute: keep the outputs
-    of matrix products that have no batch dimensions (a Dense or EinsumDense
-    kernel applied to activations: `x @ W`) and of convolutions; recompute
-    everything else, including the products with batch dimensions (the
-    attention scores `q @ k^T` and `probabilities @ v`, per batch and head)
-    and what lies between (softmax, masking, dropout, activations,
-    normalization). `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`
-    plus convolutions (read in jax 0.10's `ad_checkpoint.py`)."""
-    if prim is jax.lax.dot_general_p:
-        (_, _), (lhs_batch, rhs_batch) = params["dimension_numbers"]
-        return not lhs_batch and not rhs_batch
-    return prim is jax.lax.conv_general_dilated_p
-
-
-# ---------------------------------------------------------------------------
-
-
 def region_variables(layers: Sequence[Any]) -> list:
     """Every variable of `layers` and their sublayers (seed states and
     moving statistics included), each once."""
@@ -152,7 +134,6 @@ def recompute(
     structure: Any,
     state_layers: Sequence[Any],
     again: Callable[[Any], Any] | None = None,
-    policy: Callable[..., bool] | None = None,
 ) -> Any:
     """`forward(structure)`, its activations recomputed in the backward pass.
 
@@ -169,8 +150,6 @@ def recompute(
             their assignments and losses are applied outside it, once.
         again: unused on JAX: `jax.checkpoint` replays the traced forward
             (the TensorFlow engine runs the region again through `again`).
-        policy: a `jax.checkpoint` saving policy (None: keep only the
-            inputs; `save_matmuls`: keep the matrix products too).
     """
     del again
     from keras_mgpu.layers._recompute_engine import (
@@ -220,9 +199,9 @@ def recompute(
         new_values = [scope.get_current_value(v) for v in updated]
         return out_arrays, out_masks, new_values, losses
 
-    out_arrays, out_masks, new_values, losses = jax.checkpoint(
-        region, policy=policy
-    )(arrays, in_masks, values)
+    out_arrays, out_masks, new_values, losses = jax.checkpoint(region)(
+        arrays, in_masks, values
+    )
     for variable, value in zip(info["updated"], new_values, strict=True):
         variable.assign(value)
     for owner, loss in zip(info["owners"], losses, strict=True):
@@ -237,4 +216,4 @@ def recompute(
     return keras.tree.pack_sequence_as(info["structure"], flat_out)
 
 
-__all__ = ["recompute", "region_variables", "save_matmuls"]
+__all__ = ["recompute", "region_variables"]
