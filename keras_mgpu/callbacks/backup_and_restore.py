@@ -14,7 +14,6 @@ from typing import Any
 
 from keras_mgpu._flavour import _tf_keras_if_installed, object_flavour
 from keras_mgpu.backend import (
-    BackendNotSupportedError,
     is_jax,
     require_backend,
 )
@@ -153,8 +152,6 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         delete_checkpoint: bool = True,
     ) -> None:
         require_backend("BackupAndRestore")
-        if is_jax() and _several_jax_processes():
-            raise _jax_processes_refusal()
         if save_freq is False or (
             isinstance(save_freq, int)
             and not isinstance(save_freq, bool)
@@ -271,14 +268,14 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         # Several processes share one backup only when they train one model
         # together; otherwise each process owns its backup.
         together = is_multi_worker(strategy)
-        if together and is_jax():
-            raise _jax_processes_refusal()
         info = worker_info(strategy)
         self._is_chief = bool(info["is_chief"]) or not together
         self._num_workers = int(info["num_workers"]) if together else 1
         self._task_id = int(info["rank"] or 0) if together else 0
         if is_jax():
             self._num_replicas = num_replicas_in_sync(strategy)
+            if together:
+                self._check_jax_state_readable()
         else:
             self._num_replicas = int(
                 getattr(strategy, "num_replicas_in_sync", 1) or 1
@@ -355,6 +352,30 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             self._private_dir = None
         if self.delete_checkpoint and self._is_chief:
             self._delete_backup()
+
+    def _check_jax_state_readable(self) -> None:
+        """Several JAX processes: process 0 writes the backup alone, so it
+        must be able to read every variable whole (every process decides
+        alike: the layouts are the same everywhere)."""
+        from keras_mgpu.backend.jax.backup import unreadable_variables
+
+        model = self._model
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and getattr(optimizer, "built", False):
+            variables += list(optimizer.variables)
+        split = unreadable_variables(variables)
+        if split:
+            shown = ", ".join(split[:3]) + (" ..." if len(split) > 3 else "")
+            raise ValueError(
+                "BackupAndRestore on several JAX processes needs every "
+                "variable readable whole on process 0, which writes the "
+                f"backup alone; {len(split)} variable(s) are sharded over "
+                "devices of several processes by the distribution's layout "
+                f"({shown}), and Keras's `save_weights` cannot gather them. "
+                "Use a keras.distribution.DataParallel (every variable "
+                "replicated), or a ModelParallel in one process."
+            )
 
     # ------------------------------------------------------------------
     # Saving
@@ -549,8 +570,6 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         reports what it read or loaded (`gather_rows`), so a worker that
         fails never leaves the others waiting in a collective.
         """
-        from keras_mgpu.distribute.collectives import gather_rows
-
         strategy = self._strategy()
         metadata, error = None, None
         try:
@@ -576,7 +595,7 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         identity = _sha256_words(
             json.dumps(metadata, sort_keys=True) if metadata else ""
         )
-        rows = gather_rows(
+        rows = _gather_rows(
             strategy,
             [float(error is None), float(metadata is not None), *identity],
         )
@@ -619,7 +638,7 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         # collectives: all workers must load the same file, or none).
         candidates = self._candidates(metadata)
         errors = [self._readable(candidate) for candidate in candidates]
-        rows = gather_rows(
+        rows = _gather_rows(
             strategy, [float(error is None) for error in errors] + [1.0] * 2
         )
         chosen, failures = None, []
@@ -652,7 +671,7 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         # and a digest of the weights it holds now (computed whether the
         # load worked or not, so every worker reaches the all-reduce).
         error = self._load(chosen)
-        rows = gather_rows(
+        rows = _gather_rows(
             strategy,
             [float(error is None), *_sha256_words(_weights_bytes(model))],
         )
@@ -814,23 +833,17 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
 
 
-def _several_jax_processes() -> bool:
-    """Whether `jax.distributed` already runs several processes (asked only
-    once it is initialised: counting earlier would start JAX's backends and
-    make `keras.distribution.initialize()` fail)."""
-    import jax
+def _gather_rows(strategy: Any, row: list[float]) -> Any:
+    """Every worker's `row`, in rank order, on every worker: one small
+    collective (TensorFlow: an all-reduce of `strategy`; JAX: an
+    all-gather across `jax.distributed`'s processes)."""
+    if is_jax():
+        from keras_mgpu.backend.jax.backup import gather_rows
 
-    return jax.distributed.is_initialized() and jax.process_count() > 1
+        return gather_rows(row)
+    from keras_mgpu.distribute.collectives import gather_rows
 
-
-def _jax_processes_refusal() -> BackendNotSupportedError:
-    return BackendNotSupportedError(
-        "BackupAndRestore on several JAX processes is not supported yet: "
-        "the processes' agreement on the backup uses TensorFlow's "
-        "collectives (multi-process support on JAX is planned, issue 29). "
-        "On one JAX process, with or without a keras.distribution, it "
-        "works."
-    )
+    return gather_rows(strategy, row)
 
 
 class _LocalFiles:

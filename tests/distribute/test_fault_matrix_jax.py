@@ -1,0 +1,177 @@
+"""The fault matrix of keras_mgpu.callbacks.BackupAndRestore on a 2-process
+x 2-CPU-device JAX cluster (`jax.distributed`, gloo): process 0 (which
+writes the backup) and process 1 SIGKILLed mid-epoch, during the backup
+write and during validation; then the whole job restarted from the backup.
+
+Each killed run must end by itself: the killed process dies, and the
+survivor, blocked in the step's collective or told by JAX's coordination
+service (heartbeat_timeout), exits within a bound, leaving no process (the
+test kills and reaps every process group whatever happens). The restart
+must end at the weights and update count of an uninterrupted run (the same
+job in this process, on its 4 CPU devices, to float rounding) and delete
+its backup. To keep cluster launches few, one cluster restarts every case
+in turn (`fault_matrix_jax_bodies.restart`), after one killed cluster per
+case; the killed runs and the kill points are those of the TensorFlow
+matrix (tests/distribute/test_fault_matrix.py, shared bodies).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+
+import pytest
+from _training import max_abs_diff
+from distribute import fault_matrix_bodies as shared
+
+from keras_mgpu.testing import run_workers
+from keras_mgpu.testing import workers as launcher
+
+pytestmark = pytest.mark.slow
+
+BODY = "distribute.fault_matrix_jax_bodies:train"
+KILL_ENV = "KERAS_MGPU_TEST_KILL_AT"
+# JAX's wait for the processes to meet and its heartbeat time-out
+# (start_cluster's, through run_workers's child): a dead peer is declared
+# after this many seconds at most.
+HEARTBEAT = 10
+SURVIVOR_BOUND = 2 * HEARTBEAT + 10  # seconds from the kill to its exit
+RUN_LIMIT = 150  # seconds for a killed run to reach its kill
+
+# case id: (seam spec or None, killer spec or None, save_freq, double).
+# "chief" is process 0 (the writer), "worker" process 1.
+CASES = {
+    "p0-mid-epoch-int-dc": (None, ["step", 1, 3, "chief"], 2, True),
+    "p1-mid-epoch-epoch": (None, ["step", 2, 2, "worker"], "epoch", False),
+    "p0-torn-weights-int-dc": ("weights_partial:chief:3", None, 2, True),
+    "p1-during-backup-write-int": ("weights_written:worker:3", None, 2, False),
+    "p0-validation-epoch-dc": (None, ["validation", 1, "chief"], "epoch", True),
+    "p1-validation-int": (None, ["validation", 0, "worker"], 2, False),
+}
+
+
+def _killed_run(args: tuple, env: dict | None) -> dict:
+    """Start the 2-process job (keras_mgpu.testing.run_workers's building
+    blocks: its process groups, reaper and child entry), wait for the kill,
+    then for the survivor to exit by itself; kill and reap everything."""
+    envs = launcher.jax_cluster_envs(2)
+    workdir = tempfile.mkdtemp(prefix="keras_mgpu_fault_")
+    reaper = launcher._start_reaper(workdir)
+    procs, logs = [], []
+    try:
+        with open(os.path.join(workdir, "args.pkl"), "wb") as f:
+            pickle.dump(args, f)
+        for index, cluster_env in enumerate(envs):
+            cluster_env["XLA_FLAGS"] = launcher._with_device_count(
+                os.environ.get("XLA_FLAGS", ""), 2
+            )
+            log = open(os.path.join(workdir, f"log_{index}.txt"), "w+")
+            logs.append(log)
+            spec = {
+                "target": BODY,
+                "workdir": workdir,
+                "index": index,
+                "cpu_devices": 2,
+                "backend": "jax",
+                "timeout": HEARTBEAT,
+            }
+            # A killed non-writer leaves its private save folder: here.
+            extra = dict(env or {}, TMPDIR=workdir)
+            procs.append(
+                launcher._start(spec, cluster_env, extra, log, reaper)
+            )
+        deadline = time.monotonic() + RUN_LIMIT
+        while all(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, "no process died" + _tails(
+                logs
+            )
+            time.sleep(0.05)
+        died = time.monotonic()
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() - died > SURVIVOR_BOUND:
+                pytest.fail(
+                    f"the survivor ran {SURVIVOR_BOUND} s after its peer "
+                    "died (a hang)" + _tails(logs)
+                )
+            time.sleep(0.05)
+        return {
+            "codes": [p.returncode for p in procs],
+            "survivor_s": time.monotonic() - died,
+            "outputs": launcher._outputs(logs),
+        }
+    finally:
+        for proc in procs:
+            launcher._kill(proc, reaper)
+        for log in logs:
+            log.close()
+        launcher._stop_reaper(reaper, workdir)
+
+
+def _tails(logs) -> str:
+    return launcher._tails(logs)
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """Every case's killed run, then one restart cluster for all."""
+    root = tmp_path_factory.mktemp("fault_matrix_jax")
+    killed, restarts = {}, []
+    for case, (seam, stop, save_freq, double) in CASES.items():
+        backup = str(root / case)
+        killed[case] = _killed_run(
+            (backup, save_freq, double, stop),
+            {KILL_ENV: seam} if seam else None,
+        )
+        killed[case]["files"] = sorted(os.listdir(backup))
+        restarts.append((backup, save_freq, double))
+    restarted = run_workers(
+        "distribute.fault_matrix_jax_bodies:restart",
+        2,
+        restarts,
+        timeout=300,
+        cpu_devices=2,
+    )
+    return {
+        "killed": killed,
+        "restarted": dict(zip(CASES, zip(*restarted, strict=True))),
+        "backups": {case: backup for case, (backup, *_) in zip(CASES, restarts)},
+    }
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The uninterrupted job in this process, on its 4 CPU devices."""
+    import jax
+    import keras
+
+    distribution = keras.distribution.DataParallel(devices=jax.devices())
+    with distribution.scope():
+        return shared.reference()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_killed_process_dies_and_the_survivor_exits_by_itself(
+    case, matrix
+):
+    run = matrix["killed"][case]
+    victim = 0 if "chief" in str(CASES[case][:2]) else 1
+    assert run["codes"][victim] == -9, run["codes"]
+    assert run["codes"][1 - victim] != 0, run["outputs"][1 - victim][-3000:]
+    assert run["survivor_s"] < SURVIVOR_BOUND
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_restarted_job_ends_like_an_uninterrupted_run(
+    case, matrix, reference
+):
+    results = matrix["restarted"][case]
+    for result in results:
+        assert result["error"] is None, result["error"]
+        assert result["updates"] == reference["updates"]
+        assert max_abs_diff(result["weights"], reference["weights"]) < 1e-5
+        assert result["weights"] == results[0]["weights"]
+    # It resumed from a backup the killed job committed.
+    assert "training_metadata.json" in matrix["killed"][case]["files"]
+    assert not os.path.exists(matrix["backups"][case])
