@@ -14,6 +14,8 @@ from distribute import fault_matrix_bodies as shared
 
 
 def _fit(case: tuple) -> dict:
+    import sys
+
     import jax
     import keras
 
@@ -45,6 +47,7 @@ def _fit(case: tuple) -> dict:
         "rank": info["rank"],
         "weights": [w.tolist() for w in model.get_weights()],
         "updates": shared.updates(model),
+        "tensorflow_imported": "tensorflow" in sys.modules,
     }
 
 

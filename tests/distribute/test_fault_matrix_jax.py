@@ -172,6 +172,7 @@ def test_the_restarted_job_ends_like_an_uninterrupted_run(
         assert result["updates"] == reference["updates"]
         assert max_abs_diff(result["weights"], reference["weights"]) < 1e-5
         assert result["weights"] == results[0]["weights"]
+        assert not result["tensorflow_imported"]
     # It resumed from a backup the killed job committed.
     assert "training_metadata.json" in matrix["killed"][case]["files"]
     assert not os.path.exists(matrix["backups"][case])
