@@ -354,9 +354,10 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             self._delete_backup()
 
     def _check_jax_state_readable(self) -> None:
-        """Several JAX processes: process 0 writes the backup alone, so it
-        must be able to read every variable whole (every process decides
-        alike: the layouts are the same everywhere)."""
+        """Several JAX processes: every process saves (process 0 into
+        `backup_dir`), so each must read every variable whole. Decided
+        alike on every process (from the layouts, which all share): all
+        raise the same error, none waits in a collective."""
         from keras_mgpu.backend.jax.backup import unreadable_variables
 
         model = self._model
@@ -369,12 +370,13 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             shown = ", ".join(split[:3]) + (" ..." if len(split) > 3 else "")
             raise ValueError(
                 "BackupAndRestore on several JAX processes needs every "
-                "variable readable whole on process 0, which writes the "
-                f"backup alone; {len(split)} variable(s) are sharded over "
+                "variable readable whole in each process (process 0 writes "
+                f"the backup); {len(split)} variable(s) are sharded over "
                 "devices of several processes by the distribution's layout "
-                f"({shown}), and Keras's `save_weights` cannot gather them. "
-                "Use a keras.distribution.DataParallel (every variable "
-                "replicated), or a ModelParallel in one process."
+                f"({shown}), and Keras's `save_weights` does not gather "
+                "them. Use a keras.distribution.DataParallel (variables "
+                "replicated), a ModelParallel whose sharded mesh axes stay "
+                "within each process's devices, or one process."
             )
 
     # ------------------------------------------------------------------

@@ -57,7 +57,73 @@ def train(backup_dir: str, save_freq, double_checkpoint: bool, stop) -> dict:
     return _fit((backup_dir, save_freq, double_checkpoint, stop))
 
 
-def restart(cases: list) -> list:
+def restart(cases: list, unshared: list) -> dict:
     """Restart the job of each `(backup_dir, save_freq, double_checkpoint)`
-    from its backup, one after another in this cluster."""
-    return [_fit((*case, None)) for case in cases]
+    from its backup, one after another in this cluster; then the refusals:
+    `unshared[rank]` as each process's own backup_dir (a folder that is not
+    shared), and a model whose kernel is split across the processes."""
+    from keras_mgpu.distribute import worker_info
+
+    rank = worker_info()["rank"]
+    return {
+        "cases": [_fit((*case, None)) for case in cases],
+        "unshared": _fit((unshared[rank], 2, False, None))["error"],
+        **_split_state(unshared[rank] + "-split"),
+    }
+
+
+def _split_state(backup_dir: str) -> dict:
+    """`ModelParallel` over a 2 x 2 mesh that shards a kernel along the
+    "model" axis: across the processes (each holds half of it: Keras's own
+    `save_weights` fails, BackupAndRestore refuses at `on_train_begin`),
+    and within each process (JAX reads it whole from the local shards:
+    BackupAndRestore trains)."""
+    import jax
+    import keras
+    import numpy as np
+
+    from keras_mgpu.callbacks import BackupAndRestore
+    from keras_mgpu.distribute import shard_across_processes
+
+    devices = np.array(jax.devices()).reshape(2, 2)  # a row per process
+    x, y = shared._data()
+    out = {}
+    for name, mesh_devices in (("split", devices.T), ("local", devices)):
+        mesh = keras.distribution.DeviceMesh(
+            (2, 2), ["batch", "model"], mesh_devices
+        )
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map[".*wide/kernel"] = (None, "model")
+        distribution = keras.distribution.ModelParallel(
+            layout_map=layout_map,
+            batch_dim_name="batch",
+            auto_shard_dataset=False,
+        )
+        with distribution.scope():
+            model = keras.Sequential(
+                [
+                    keras.Input((5,)),
+                    keras.layers.Dense(8, name="wide"),
+                    keras.layers.Dense(1, name="out"),
+                ]
+            )
+            model.compile(optimizer="sgd", loss="mse")
+            out[f"{name}_keras_save_error"] = _error(
+                model.save_weights, f"{backup_dir}-{name}.weights.h5"
+            )
+            out[f"{name}_error"] = _error(
+                model.fit,
+                shard_across_processes(x, y, batch_size=8, shuffle=False),
+                epochs=1,
+                verbose=0,
+                callbacks=[BackupAndRestore(f"{backup_dir}-{name}")],
+            )
+    return out
+
+
+def _error(call, *args, **kwargs) -> str | None:
+    try:
+        call(*args, **kwargs)
+    except Exception as exc:  # reported, not raised
+        return f"{type(exc).__name__}: {exc}"
+    return None

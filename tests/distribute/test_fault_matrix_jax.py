@@ -17,8 +17,11 @@ matrix (tests/distribute/test_fault_matrix.py, shared bodies).
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import re
+import shutil
 import tempfile
 import time
 
@@ -51,6 +54,9 @@ CASES = {
     "p1-validation-int": (None, ["validation", 0, "worker"], 2, False),
 }
 
+# Its latest backup is damaged before the restart (double_checkpoint).
+DAMAGED = "p0-mid-epoch-int-dc"
+
 
 def _killed_run(args: tuple, env: dict | None) -> dict:
     """Start the 2-process job (keras_mgpu.testing.run_workers's building
@@ -79,14 +85,10 @@ def _killed_run(args: tuple, env: dict | None) -> dict:
             }
             # A killed non-writer leaves its private save folder: here.
             extra = dict(env or {}, TMPDIR=workdir)
-            procs.append(
-                launcher._start(spec, cluster_env, extra, log, reaper)
-            )
+            procs.append(launcher._start(spec, cluster_env, extra, log, reaper))
         deadline = time.monotonic() + RUN_LIMIT
         while all(p.poll() is None for p in procs):
-            assert time.monotonic() < deadline, "no process died" + _tails(
-                logs
-            )
+            assert time.monotonic() < deadline, "no process died" + _tails(logs)
             time.sleep(0.05)
         died = time.monotonic()
         while any(p.poll() is None for p in procs):
@@ -126,17 +128,34 @@ def matrix(tmp_path_factory):
         )
         killed[case]["files"] = sorted(os.listdir(backup))
         restarts.append((backup, save_freq, double))
+    # double_checkpoint: damage the latest backup of one case; every
+    # process must fall back to the previous one, and still end exact.
+    damaged = os.path.join(root, DAMAGED)
+    with open(os.path.join(damaged, "training_metadata.json")) as f:
+        latest = json.load(f)
+    assert latest["previous"] is not None
+    with open(os.path.join(damaged, latest["weights"]), "r+b") as f:
+        f.truncate(100)
+    # A backup_dir that is not shared: process 0 sees a backup, 1 none.
+    unshared = [str(root / "unshared-0"), str(root / "unshared-1")]
+    shutil.copytree(root / "p1-mid-epoch-epoch", unshared[0])
     restarted = run_workers(
         "distribute.fault_matrix_jax_bodies:restart",
         2,
         restarts,
+        unshared,
         timeout=300,
         cpu_devices=2,
     )
     return {
         "killed": killed,
-        "restarted": dict(zip(CASES, zip(*restarted, strict=True))),
-        "backups": {case: backup for case, (backup, *_) in zip(CASES, restarts)},
+        "restarted": dict(
+            zip(CASES, zip(*(r["cases"] for r in restarted), strict=True))
+        ),
+        "backups": {
+            case: backup for case, (backup, *_) in zip(CASES, restarts)
+        },
+        "refusals": restarted,
     }
 
 
@@ -152,9 +171,7 @@ def reference():
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_killed_process_dies_and_the_survivor_exits_by_itself(
-    case, matrix
-):
+def test_the_killed_process_dies_and_the_survivor_exits_by_itself(case, matrix):
     run = matrix["killed"][case]
     victim = 0 if "chief" in str(CASES[case][:2]) else 1
     assert run["codes"][victim] == -9, run["codes"]
@@ -176,3 +193,41 @@ def test_the_restarted_job_ends_like_an_uninterrupted_run(
     # It resumed from a backup the killed job committed.
     assert "training_metadata.json" in matrix["killed"][case]["files"]
     assert not os.path.exists(matrix["backups"][case])
+
+
+def test_a_damaged_latest_backup_falls_back_on_every_process(matrix):
+    """The case whose latest backup was truncated restarted exactly
+    (above): both processes loaded the previous one."""
+    results = matrix["restarted"][DAMAGED]
+    assert [r["error"] for r in results] == [None, None]
+
+
+def test_a_backup_dir_that_is_not_shared_is_refused_by_every_process(
+    matrix,
+):
+    for result in matrix["refusals"]:
+        assert re.search(
+            r"ValueError: The workers see different backups .*worker 0: a "
+            r"backup .*worker 1: no backup.* must be storage every worker "
+            r"reaches \(a shared file system",
+            result["unshared"],
+        ), result["unshared"]
+
+
+def test_state_split_across_processes_is_refused_by_every_process(matrix):
+    for result in matrix["refusals"]:
+        # Keras's own saving cannot read it either.
+        assert "non-addressable" in str(result["split_keras_save_error"])
+        assert re.search(
+            r"ValueError: BackupAndRestore on several JAX processes needs "
+            r"every variable readable whole in each process .* 1 "
+            r"variable\(s\) are sharded over devices of several processes "
+            r".*wide/kernel",
+            str(result["split_error"]),
+        ), result["split_error"]
+
+
+def test_state_sharded_within_each_process_is_saved(matrix):
+    for result in matrix["refusals"]:
+        assert result["local_keras_save_error"] is None
+        assert result["local_error"] is None

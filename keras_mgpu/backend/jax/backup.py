@@ -1,13 +1,15 @@
 """What `BackupAndRestore` needs from JAX across processes: an exact
 all-gather of small rows (the processes' agreement on a backup) and the
-check that process 0 alone can read the whole training state.
+check that every process can read the whole training state.
 
 Under `keras.distribution.DataParallel` every variable is replicated on
 every device of every process: process 0 holds the whole state and writes
-it alone; every process reads the same file at a restore. A variable split
-across processes (a `ModelParallel` layout whose model axis spans several
-processes) has parts no single process can read: saving it would need a
-gather collective inside `save_weights`, which Keras does not do.
+it; the others save privately (Keras's `save_weights` creates variables, a
+collective every process must join) and every process reads the same file
+at a restore. A variable split across processes (a `ModelParallel` layout
+whose model axis spans several processes' devices) has parts no single
+process holds: `save_weights` fails on it ("Fetching value for `jax.Array`
+that spans non-addressable devices"), Keras does not gather.
 """
 
 from __future__ import annotations
@@ -47,16 +49,31 @@ def gather_rows(row: Any) -> np.ndarray:
 
 
 def unreadable_variables(variables: Any) -> list[str]:
-    """The paths of the variables that this process cannot read whole:
-    arrays split across processes (not fully replicated and not fully
-    addressable). Empty under `DataParallel` and in one process."""
+    """The paths of the variables that some process cannot read whole:
+    one of whose parts (shards) is on no device of that process. Empty
+    under `DataParallel` (replicated) and in one process; also for a
+    `ModelParallel` whose model axis stays within each process (JAX reads
+    such an array from the local shards). The same answer on every
+    process: it reads the layouts, which every process shares."""
     names = []
     for variable in variables:
         value = getattr(variable, "value", variable)
-        if callable(value):  # not a Keras variable: the array itself
-            value = variable
-        addressable = getattr(value, "is_fully_addressable", True)
-        replicated = getattr(value, "is_fully_replicated", True)
-        if not addressable and not replicated:
+        sharding = getattr(value, "sharding", None)
+        if sharding is None:
+            continue
+        parts: dict[int, set] = {}
+        for device, index in sharding.devices_indices_map(
+            tuple(value.shape)
+        ).items():
+            parts.setdefault(device.process_index, set()).add(_key(index))
+        every = set().union(*parts.values()) if parts else set()
+        if any(held != every for held in parts.values()):
             names.append(str(getattr(variable, "path", variable)))
     return names
+
+
+def _key(index: tuple) -> tuple:
+    """A shard's index (a tuple of slices) as something hashable."""
+    return tuple(
+        (s.start, s.stop, s.step) if isinstance(s, slice) else s for s in index
+    )
