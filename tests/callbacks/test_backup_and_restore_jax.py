@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from _training import mlp, regression_data
 
-from keras_mgpu.backend import BackendNotSupportedError
 from keras_mgpu.callbacks import BackupAndRestore
 
 STEPS = 5  # 40 samples, batch 8: 5 steps an epoch
@@ -235,13 +234,108 @@ def test_no_loadable_backup_is_a_clear_error(tmp_path):
         _run("default", backup)
 
 
-def test_several_jax_processes_are_refused(monkeypatch, tmp_path):
-    from keras_mgpu.callbacks import backup_and_restore
+def test_process_rows_travel_exactly(monkeypatch):
+    """The processes' agreement gathers float64 rows (SHA-256 words of 48
+    bits among them) through JAX, which rounds float64 to float32 unless
+    x64 is on: they travel as uint32 words and come back bit-exact."""
+    from jax.experimental import multihost_utils
 
-    monkeypatch.setattr(backup_and_restore, "_several_jax_processes", lambda: 1)
+    from keras_mgpu.backend.jax import backup
+
+    row = [1.0, float(2**48 - 1), 0.1, -3.5e300]
+    assert backup.gather_rows(row).tolist() == [row]  # one process
+    sent = []
+
+    def two_processes(words):
+        sent.append(np.asarray(words))
+        # What JAX returns: every process's array stacked, in JAX's dtype.
+        return keras.ops.convert_to_numpy(keras.ops.stack([words, words + 0]))
+
+    monkeypatch.setattr(backup, "several_processes", lambda: True)
+    monkeypatch.setattr(multihost_utils, "process_allgather", two_processes)
+    gathered = backup.gather_rows(row)
+    assert sent[0].dtype == np.uint32
+    assert gathered.dtype == np.float64
+    assert gathered.tolist() == [row, row]
+
+
+class _FakeDevice:
+    def __init__(self, process_index):
+        self.process_index = process_index
+
+
+class _FakeSharding:
+    def __init__(self, indices):
+        self.indices = indices
+
+    def devices_indices_map(self, shape):
+        return self.indices
+
+
+class _FakeValue:
+    shape = (4, 8)
+
+    def __init__(self, indices):
+        self.sharding = _FakeSharding(indices)
+
+
+class _FakeVariable:
+    def __init__(self, path, indices):
+        self.path = path
+        self.value = _FakeValue(indices)
+
+
+def _fake(path, per_device):
+    """A variable whose shards sit on devices (process, columns)."""
+    return _FakeVariable(
+        path,
+        {
+            _FakeDevice(process): (slice(None), slice(*columns))
+            for process, columns in per_device
+        },
+    )
+
+
+def test_state_some_process_cannot_read_whole_is_named():
+    from keras_mgpu.backend.jax.backup import unreadable_variables
+
+    whole = (None, None)
+    halves = ((0, 4), (4, 8))
+    variables = [
+        # DataParallel: replicated on every device of both processes.
+        _fake("replicated", [(0, whole), (0, whole), (1, whole)]),
+        # Model axis within each process: both halves on each process.
+        _fake(
+            "local",
+            [(0, halves[0]), (0, halves[1]), (1, halves[0]), (1, halves[1])],
+        ),
+        # Model axis across processes: each process holds one half.
+        _fake("split", [(0, halves[0]), (1, halves[1])]),
+    ]
+    assert unreadable_variables(variables) == ["split"]
+    # Real arrays on this process's 4 devices: all readable.
+    devices = keras.distribution.list_devices("cpu")
+    with keras.distribution.DataParallel(devices=devices).scope():
+        model = mlp()
+    assert unreadable_variables(model.variables) == []
+
+
+def test_split_state_is_refused_before_any_collective(monkeypatch, tmp_path):
+    from keras_mgpu.backend.jax import backup
+    from keras_mgpu.distribute import strategy
+
+    calls = []
+    monkeypatch.setattr(strategy, "is_multi_worker", lambda s=None: True)
+    monkeypatch.setattr(
+        backup, "unreadable_variables", lambda v: ["dense/kernel"] * 4
+    )
+    monkeypatch.setattr(backup, "gather_rows", calls.append)
     with pytest.raises(
-        BackendNotSupportedError,
-        match="BackupAndRestore on several JAX processes is not supported "
-        "yet: .* issue 29",
+        ValueError,
+        match=r"needs every variable readable whole in each process "
+        r"\(process 0 writes the backup\); 4 variable\(s\) are sharded "
+        r"over devices of several processes by the distribution's layout "
+        r"\(dense/kernel, dense/kernel, dense/kernel \.\.\.\)",
     ):
-        BackupAndRestore(str(tmp_path))
+        _run("default", str(tmp_path / "backup"))
+    assert calls == []  # raised before the processes' first collective

@@ -181,9 +181,6 @@ def run_all():
     # What is not multi-process on JAX yet refuses at construction.
     callbacks = keras_mgpu.callbacks
     out["refusals"] = {
-        "BackupAndRestore": _error(
-            lambda: callbacks.BackupAndRestore("/nonexistent/backup")
-        ),
         "WorkerWatchdog": _error(lambda: callbacks.WorkerWatchdog()),
         "StragglerMonitor": _error(lambda: callbacks.StragglerMonitor()),
         "MemoryMonitor(gather_workers=True)": _error(

@@ -112,7 +112,6 @@ def test_inputs_that_cannot_be_split_are_refused(cluster, key, match):
 @pytest.mark.parametrize(
     "name",
     [
-        "BackupAndRestore",
         "WorkerWatchdog",
         "StragglerMonitor",
         "MemoryMonitor(gather_workers=True)",
