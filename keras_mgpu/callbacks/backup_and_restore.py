@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 import uuid
 import warnings
 from typing import Any
@@ -24,6 +25,8 @@ _METADATA = "training_metadata.json"
 _METADATA_COPY = "training_metadata.copy.json"
 _FORMAT = 2  # our metadata: a pointer with the file's SHA-256
 _KILL_ENV = "KERAS_MGPU_TEST_KILL_AT"  # test-only seam, see `_test_kill`
+# Seconds a JAX process waits to see the chief's probe in a shared folder.
+_SHARED_WAIT = 5.0
 
 
 def _keras3_base() -> type:
@@ -89,18 +92,31 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
       it; a restart with other numbers is refused (per-replica optimizer
       state and the split of each batch would differ), naming both.
 
-    **On Keras's JAX backend**, in one process, it does the same without
-    TensorFlow (local files; a remote "gs://" `backup_dir` goes through
-    `tf.io.gfile`, as Keras's own callback): with or without a
-    `keras.distribution.DataParallel` in force (build, compile and fit the
-    model inside `distribution.scope()`), a fit
-    interrupted by an exception and resumed with this callback in a fresh
-    model ends at the weights and optimizer state of the uninterrupted run,
-    from an epoch backup or mid-epoch (`save_freq=N`), Keras's built-in
-    `gradient_accumulation_steps` mid-window included. The step is one
-    global program there, so a backup resumes exactly on another number of
-    devices too (no shape check). Several JAX processes are refused for now
-    (the workers' agreement uses TensorFlow's collectives).
+    **On Keras's JAX backend** it does the same without TensorFlow (local
+    files; a remote "gs://" `backup_dir` goes through `tf.io.gfile`, as
+    Keras's own callback): with or without a `keras.distribution` in force
+    (build, compile and fit the model inside `distribution.scope()`), a fit
+    interrupted and resumed with this callback in a fresh model ends at the
+    weights and optimizer state of the uninterrupted run, from an epoch
+    backup or mid-epoch (`save_freq=N`), mid accumulation window included.
+    The step is one global program there, so a backup resumes exactly on
+    another number of devices too (the number of processes must match).
+    **Across JAX processes** (`keras_mgpu.distribute.start_cluster()` or
+    `keras.distribution.initialize()`, a `DataParallel` over every
+    process's devices) process 0 is the chief: it commits into
+    `backup_dir`, the others save to a private folder deleted at once
+    (Keras's `save_weights` creates variables, a collective every process
+    joins); the agreement at `on_train_begin` gathers each process's rows
+    through `jax.experimental.multihost_utils`. `backup_dir` must be a
+    folder every process reaches (shared file system, bucket): with one
+    that is not shared, every process raises the same `ValueError` as soon
+    as they see different backups. A variable sharded over devices of
+    several processes (a `ModelParallel` whose model axis spans processes)
+    cannot be read whole by any process, so Keras's `save_weights` fails
+    on it: such a model is refused at `on_train_begin`, on every process,
+    before any collective. A killed process makes the others exit within
+    `start_cluster`'s `heartbeat_timeout` (JAX's coordination service);
+    restart every process with the same command.
 
     On one worker (no strategy, `MirroredStrategy`, ...) it behaves as
     Keras's, plus the commit protocol and the exact resume. It reads a
@@ -109,7 +125,8 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
 
     Args:
         backup_dir: str, folder of the backup (not shared with anything
-            else). Under multi-worker training: reachable by every worker.
+            else). Under multi-worker training (or several JAX processes):
+            reachable by every worker.
         save_freq: "epoch" (default), int >= 1 (batches between saves) or
             False (or 0): no periodic save, as Keras documents it (Keras
             3.15 in fact saves after every batch); the callback still
@@ -573,6 +590,8 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         fails never leaves the others waiting in a collective.
         """
         strategy = self._strategy()
+        if is_jax() and self._num_workers > 1:
+            self._check_shared(strategy)
         metadata, error = None, None
         try:
             metadata = self._read_metadata()
@@ -698,6 +717,60 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             )
         self._known = {k: v for k, v in chosen.items() if k != "previous"}
         self._resume_at(chosen)
+
+    def _check_shared(self, strategy: Any) -> None:
+        """Several JAX processes: refuse at once a `backup_dir` that is not
+        one folder for all (a local path on each host), before a run
+        writes backups that its restart could not use. The chief writes a
+        probe file; every process reports whether it sees it (waiting up
+        to `_SHARED_WAIT` seconds for a shared file system to show it)."""
+        token = uuid.uuid4().hex[:12]
+        probe, error = None, None
+        if self._is_chief:
+            try:
+                files = _gfile(self.backup_dir)
+                files.makedirs(self.backup_dir)
+                probe = os.path.join(self.backup_dir, f"probe-{token}.tmp")
+                with files.GFile(probe, "w") as f:
+                    f.write(token)
+                _fsync(probe)
+            except Exception as exc:  # every process must hear of it
+                error = f"{type(exc).__name__}: {exc}"
+        rows = _gather_rows(
+            strategy, [float(error is None), float(int(token, 16))]
+        )
+        written = bool(rows[0, 0])
+        seen = True
+        if written:
+            name = f"probe-{int(rows[0, 1]):012x}.tmp"
+            path = os.path.join(self.backup_dir, name)
+            deadline = time.monotonic() + _SHARED_WAIT
+            while not (seen := _gfile(path).exists(path)):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        rows = _gather_rows(strategy, [float(seen)])
+        if probe is not None:
+            _gfile(probe).remove(probe)
+        unseen = [r for r in range(len(rows)) if rows[r, 0] == 0]
+        if written and not unseen:
+            return
+        if not written:
+            reason = "process 0 cannot write into it" + (
+                f" ({error})" if error else ""
+            )
+        else:
+            reason = (
+                f"{_processes(unseen)} cannot see the file process 0 wrote "
+                f"into it (waited {_SHARED_WAIT:.0f} s)"
+            )
+        raise ValueError(
+            f"backup_dir={self.backup_dir!r} is not one folder for every "
+            f"process: {reason}. On several JAX processes process 0 writes "
+            "the backup and every process restores from it: pass a folder "
+            "on a shared file system (or a bucket) that every process "
+            "reaches. No process starts training."
+        )
 
     def _readable(self, candidate: dict) -> str | None:
         """Why this worker cannot read a backup, or None."""
@@ -953,6 +1026,12 @@ def _sha256_words(data: str | bytes) -> list[float]:
         data = data.encode()
     hexdigest = hashlib.sha256(data).hexdigest()
     return [float(int(hexdigest[12 * i : 12 * i + 12], 16)) for i in range(4)]
+
+
+def _processes(ranks: list[int]) -> str:
+    return ("process " if len(ranks) == 1 else "processes ") + ", ".join(
+        str(r) for r in ranks
+    )
 
 
 def _hex(words: Any) -> str:

@@ -68,7 +68,7 @@ def restart(cases: list, unshared: list) -> dict:
     return {
         "cases": [_fit((*case, None)) for case in cases],
         "unshared": _fit((unshared[rank], 2, False, None))["error"],
-        **_split_state(unshared[rank] + "-split"),
+        **_split_state(unshared[0] + "-split"),
     }
 
 
