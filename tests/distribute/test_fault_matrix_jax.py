@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
-import tempfile
 import time
+from unittest import mock
 
 import pytest
 from _training import max_abs_diff
@@ -57,61 +56,49 @@ CASES = {
 DAMAGED = "p0-mid-epoch-int-dc"
 
 
+class _Ended(Exception):
+    """Raised by `_await_the_kill` to end `run_workers` (which then kills
+    and reaps every process group, and deletes its folder)."""
+
+
 def _killed_run(args: tuple, env: dict | None) -> dict:
-    """Start the 2-process job (keras_mgpu.testing.run_workers's building
-    blocks: its process groups, reaper and child entry), wait for the kill,
-    then for the survivor to exit by itself; kill and reap everything."""
-    envs = launcher.jax_cluster_envs(2)
-    workdir = tempfile.mkdtemp(prefix="keras_mgpu_fault_")
-    reaper = launcher._start_reaper(workdir)
-    procs, logs = [], []
-    try:
-        with open(os.path.join(workdir, "args.pkl"), "wb") as f:
-            pickle.dump(args, f)
-        for index, cluster_env in enumerate(envs):
-            cluster_env["XLA_FLAGS"] = launcher._with_device_count(
-                os.environ.get("XLA_FLAGS", ""), 2
-            )
-            log = open(os.path.join(workdir, f"log_{index}.txt"), "w+")
-            logs.append(log)
-            spec = {
-                "target": BODY,
-                "workdir": workdir,
-                "index": index,
-                "cpu_devices": 2,
-                "backend": "jax",
-                "timeout": HEARTBEAT,
-            }
-            # A killed non-writer leaves its private save folder: here.
-            extra = dict(env or {}, TMPDIR=workdir)
-            procs.append(launcher._start(spec, cluster_env, extra, log, reaper))
+    """`run_workers` with its wait replaced: wait for the kill, then for
+    the survivor to exit by itself; everything else (process groups,
+    reaper, child entry, start_cluster with waits of `HEARTBEAT` seconds)
+    is run_workers's own."""
+    seen: dict = {}
+
+    def await_the_kill(procs, logs, timeout, target):
         deadline = time.monotonic() + RUN_LIMIT
         while all(p.poll() is None for p in procs):
-            assert time.monotonic() < deadline, "no process died" + _tails(logs)
+            if time.monotonic() > deadline:
+                pytest.fail("no process died" + launcher._tails(logs))
             time.sleep(0.05)
         died = time.monotonic()
         while any(p.poll() is None for p in procs):
             if time.monotonic() - died > SURVIVOR_BOUND:
                 pytest.fail(
                     f"the survivor ran {SURVIVOR_BOUND} s after its peer "
-                    "died (a hang)" + _tails(logs)
+                    "died (a hang)" + launcher._tails(logs)
                 )
             time.sleep(0.05)
-        return {
-            "codes": [p.returncode for p in procs],
-            "survivor_s": time.monotonic() - died,
-            "outputs": launcher._outputs(logs),
-        }
-    finally:
-        for proc in procs:
-            launcher._kill(proc, reaper)
-        for log in logs:
-            log.close()
-        launcher._stop_reaper(reaper, workdir)
+        seen["survivor_s"] = time.monotonic() - died
+        seen["codes"] = [p.returncode for p in procs]
+        seen["outputs"] = launcher._outputs(logs)
+        raise _Ended
 
-
-def _tails(logs) -> str:
-    return launcher._tails(logs)
+    with mock.patch.object(launcher, "_wait", await_the_kill):
+        with pytest.raises(_Ended):
+            run_workers(
+                BODY,
+                2,
+                *args,
+                timeout=HEARTBEAT,
+                # A killed non-writer leaves its private save folder.
+                env=dict(env or {}, TMPDIR=str(os.path.dirname(args[0]))),
+                cpu_devices=2,
+            )
+    return seen
 
 
 @pytest.fixture(scope="module")

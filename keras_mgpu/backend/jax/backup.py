@@ -55,21 +55,26 @@ def unreadable_variables(variables: Any) -> list[str]:
     `ModelParallel` whose model axis stays within each process (JAX reads
     such an array from the local shards). The same answer on every
     process: it reads the layouts, which every process shares."""
-    names = []
-    for variable in variables:
-        value = getattr(variable, "value", variable)
-        sharding = getattr(value, "sharding", None)
-        if sharding is None:
-            continue
-        parts: dict[int, set] = {}
-        for device, index in sharding.devices_indices_map(
-            tuple(value.shape)
-        ).items():
-            parts.setdefault(device.process_index, set()).add(_key(index))
-        every = set().union(*parts.values()) if parts else set()
-        if any(held != every for held in parts.values()):
-            names.append(str(getattr(variable, "path", variable)))
-    return names
+    return [
+        str(getattr(variable, "path", variable))
+        for variable in variables
+        if not _every_process_holds_all(getattr(variable, "value", variable))
+    ]
+
+
+def _every_process_holds_all(array: Any) -> bool:
+    """Whether every process holds every part of `array` (True for
+    something that is not a sharded JAX array)."""
+    sharding = getattr(array, "sharding", None)
+    if sharding is None:
+        return True
+    held: dict[int, set] = {}
+    for device, index in sharding.devices_indices_map(
+        tuple(array.shape)
+    ).items():
+        held.setdefault(device.process_index, set()).add(_key(index))
+    every = set().union(*held.values())
+    return all(parts == every for parts in held.values())
 
 
 def _key(index: tuple) -> tuple:
