@@ -371,29 +371,31 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             self._delete_backup()
 
     def _check_jax_state_readable(self) -> None:
-        """Several JAX processes: every process saves (process 0 into
-        `backup_dir`), so each must read every variable whole. Decided
+        """Several JAX processes: every variable must be replicated (a
+        `DataParallel`), so that each process reads it whole. Decided
         alike on every process (from the layouts, which all share): all
         raise the same error, none waits in a collective."""
-        from keras_mgpu.backend.jax.backup import unreadable_variables
+        from keras_mgpu.backend.jax.backup import sharded_variables
 
         model = self._model
         variables = list(model.variables)
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and getattr(optimizer, "built", False):
             variables += list(optimizer.variables)
-        split = unreadable_variables(variables)
-        if split:
-            shown = ", ".join(split[:3]) + (" ..." if len(split) > 3 else "")
+        sharded = sharded_variables(variables)
+        if sharded:
+            shown = ", ".join(sharded[:3])
+            shown += " ..." if len(sharded) > 3 else ""
             raise ValueError(
                 "BackupAndRestore on several JAX processes needs every "
-                "variable readable whole in each process (process 0 writes "
-                f"the backup); {len(split)} variable(s) are sharded over "
-                "devices of several processes by the distribution's layout "
-                f"({shown}), and Keras's `save_weights` does not gather "
-                "them. Use a keras.distribution.DataParallel (variables "
-                "replicated), a ModelParallel whose sharded mesh axes stay "
-                "within each process's devices, or one process."
+                "variable replicated on every device (a "
+                "keras.distribution.DataParallel): process 0 writes the "
+                f"backup from its own copy. {len(sharded)} variable(s) are "
+                f"sharded by the distribution's layout ({shown}). Keras's "
+                "`save_weights` cannot read a variable split across "
+                "processes, and sharded layouts across processes are not "
+                "supported here yet. Use a DataParallel, or train a "
+                "ModelParallel in one process."
             )
 
     # ------------------------------------------------------------------

@@ -236,88 +236,63 @@ def test_no_loadable_backup_is_a_clear_error(tmp_path):
 
 def test_process_rows_travel_exactly(monkeypatch):
     """The processes' agreement gathers float64 rows (SHA-256 words of 48
-    bits among them) through JAX, which rounds float64 to float32 unless
-    x64 is on: they travel as uint32 words and come back bit-exact."""
-    from jax.experimental import multihost_utils
+    bits among them) through jax.distributed's key-value store: bit-exact,
+    in process order, each exchange under keys of its own, every wait
+    bounded."""
+    import jax
 
     from keras_mgpu.backend.jax import backup
 
     row = [1.0, float(2**48 - 1), 0.1, -3.5e300]
     assert backup.gather_rows(row).tolist() == [row]  # one process
-    sent = []
 
-    def two_processes(words):
-        sent.append(np.asarray(words))
-        # What JAX returns: every process's array stacked, in JAX's dtype.
-        return keras.ops.convert_to_numpy(keras.ops.stack([words, words + 0]))
+    class Store:  # jax.distributed's client, holding process 1's rows
+        def __init__(self):
+            self.values, self.waits = {}, []
 
+        def key_value_set(self, key, value):
+            assert key not in self.values  # never overwritten
+            self.values[key] = value
+            other = key[: key.rindex("/")] + "/1"
+            self.values[other] = np.asarray(row[::-1]).tobytes().hex()
+
+        def blocking_key_value_get(self, key, timeout_in_ms):
+            self.waits.append(timeout_in_ms)
+            return self.values[key]
+
+    store = Store()
     monkeypatch.setattr(backup, "several_processes", lambda: True)
-    monkeypatch.setattr(multihost_utils, "process_allgather", two_processes)
-    gathered = backup.gather_rows(row)
-    assert sent[0].dtype == np.uint32
-    assert gathered.dtype == np.float64
-    assert gathered.tolist() == [row, row]
+    monkeypatch.setattr(backup, "_client", lambda: store)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    for _ in range(2):
+        gathered = backup.gather_rows(row)
+        assert gathered.dtype == np.float64
+        assert gathered.tolist() == [row, row[::-1]]
+    assert len(store.values) == 4  # 2 exchanges x 2 processes
+    assert store.waits and all(0 < w <= 600_000 for w in store.waits)
 
 
-class _FakeDevice:
-    def __init__(self, process_index):
-        self.process_index = process_index
+def test_sharded_state_is_named():
+    from keras_mgpu.backend.jax.backup import sharded_variables
 
-
-class _FakeSharding:
-    def __init__(self, indices):
-        self.indices = indices
-
-    def devices_indices_map(self, shape):
-        return self.indices
-
-
-class _FakeValue:
-    shape = (4, 8)
-
-    def __init__(self, indices):
-        self.sharding = _FakeSharding(indices)
-
-
-class _FakeVariable:
-    def __init__(self, path, indices):
-        self.path = path
-        self.value = _FakeValue(indices)
-
-
-def _fake(path, per_device):
-    """A variable whose shards sit on devices (process, columns)."""
-    return _FakeVariable(
-        path,
-        {
-            _FakeDevice(process): (slice(None), slice(*columns))
-            for process, columns in per_device
-        },
-    )
-
-
-def test_state_some_process_cannot_read_whole_is_named():
-    from keras_mgpu.backend.jax.backup import unreadable_variables
-
-    whole = (None, None)
-    halves = ((0, 4), (4, 8))
-    variables = [
-        # DataParallel: replicated on every device of both processes.
-        _fake("replicated", [(0, whole), (0, whole), (1, whole)]),
-        # Model axis within each process: both halves on each process.
-        _fake(
-            "local",
-            [(0, halves[0]), (0, halves[1]), (1, halves[0]), (1, halves[1])],
-        ),
-        # Model axis across processes: each process holds one half.
-        _fake("split", [(0, halves[0]), (1, halves[1])]),
-    ]
-    assert unreadable_variables(variables) == ["split"]
-    # Real arrays on this process's 4 devices: all readable.
     devices = keras.distribution.list_devices("cpu")
     with keras.distribution.DataParallel(devices=devices).scope():
-        model = mlp()
-    assert unreadable_variables(model.variables) == []
+        replicated = mlp()
+    assert sharded_variables(replicated.variables) == []
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense.*kernel"] = (None, "model")
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+    with distribution.scope():
+        sharded = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(8, name="dense_wide")]
+        )
+    assert sharded_variables(sharded.variables) == [
+        sharded.layers[0].kernel.path
+    ]
 
 
 def test_split_state_is_refused_before_any_collective(monkeypatch, tmp_path):
@@ -327,14 +302,14 @@ def test_split_state_is_refused_before_any_collective(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(strategy, "is_multi_worker", lambda s=None: True)
     monkeypatch.setattr(
-        backup, "unreadable_variables", lambda v: ["dense/kernel"] * 4
+        backup, "sharded_variables", lambda v: ["dense/kernel"] * 4
     )
     monkeypatch.setattr(backup, "gather_rows", calls.append)
     with pytest.raises(
         ValueError,
-        match=r"needs every variable readable whole in each process "
-        r"\(process 0 writes the backup\); 4 variable\(s\) are sharded "
-        r"over devices of several processes by the distribution's layout "
+        match=r"needs every variable replicated on every device \(a "
+        r"keras.distribution.DataParallel\): .* 4 variable\(s\) are "
+        r"sharded by the distribution's layout "
         r"\(dense/kernel, dense/kernel, dense/kernel \.\.\.\)",
     ):
         _run("default", str(tmp_path / "backup"))

@@ -74,10 +74,9 @@ def restart(cases: list, unshared: list) -> dict:
 
 def _split_state(backup_dir: str) -> dict:
     """`ModelParallel` over a 2 x 2 mesh that shards a kernel along the
-    "model" axis: across the processes (each holds half of it: Keras's own
-    `save_weights` fails, BackupAndRestore refuses at `on_train_begin`),
-    and within each process (JAX reads it whole from the local shards:
-    BackupAndRestore trains)."""
+    "model" axis, across the processes (each holds half of it: Keras's own
+    `save_weights` fails) or within each process: BackupAndRestore refuses
+    both at `on_train_begin`, on every process."""
     import jax
     import keras
     import numpy as np
@@ -88,7 +87,7 @@ def _split_state(backup_dir: str) -> dict:
     devices = np.array(jax.devices()).reshape(2, 2)  # a row per process
     x, y = shared._data()
     out = {}
-    for name, mesh_devices in (("split", devices.T), ("local", devices)):
+    for name, mesh_devices in (("local", devices), ("split", devices.T)):
         mesh = keras.distribution.DeviceMesh(
             (2, 2), ["batch", "model"], mesh_devices
         )

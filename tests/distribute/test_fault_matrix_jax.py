@@ -201,20 +201,14 @@ def test_a_backup_dir_that_is_not_shared_is_refused_by_every_process(
         ), result["unshared"]
 
 
-def test_state_split_across_processes_is_refused_by_every_process(matrix):
+@pytest.mark.parametrize("layout", ["split", "local"])
+def test_sharded_state_is_refused_by_every_process(matrix, layout):
     for result in matrix["refusals"]:
-        # Keras's own saving cannot read it either.
-        assert "non-addressable" in str(result["split_keras_save_error"])
+        if layout == "split":  # Keras's own saving cannot read it either
+            assert "non-addressable" in str(result["split_keras_save_error"])
         assert re.search(
             r"ValueError: BackupAndRestore on several JAX processes needs "
-            r"every variable readable whole in each process .* 1 "
-            r"variable\(s\) are sharded over devices of several processes "
-            r".*wide/kernel",
-            str(result["split_error"]),
-        ), result["split_error"]
-
-
-def test_state_sharded_within_each_process_is_saved(matrix):
-    for result in matrix["refusals"]:
-        assert result["local_keras_save_error"] is None
-        assert result["local_error"] is None
+            r"every variable replicated on every device .* 1 variable\(s\) "
+            r"are sharded by the distribution's layout \(.*wide/kernel\)",
+            str(result[f"{layout}_error"]),
+        ), result[f"{layout}_error"]

@@ -1,6 +1,6 @@
 """What `BackupAndRestore` needs from JAX across processes: an exact
-all-gather of small rows (the processes' agreement on a backup) and the
-check that every process can read the whole training state.
+gather of small rows (the processes' agreement on a backup) and the
+check that the training state is replicated.
 
 Under `keras.distribution.DataParallel` every variable is replicated on
 every device of every process: process 0 holds the whole state and writes
@@ -9,11 +9,14 @@ collective every process must join) and every process reads the same file
 at a restore. A variable split across processes (a `ModelParallel` layout
 whose model axis spans several processes' devices) has parts no single
 process holds: `save_weights` fails on it ("Fetching value for `jax.Array`
-that spans non-addressable devices"), Keras does not gather.
+that spans non-addressable devices"), Keras does not gather. With the
+model axis within each process, a multi-process `fit` with a backup did not
+finish in our tests: sharded state is refused across processes.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -32,53 +35,75 @@ def gather_rows(row: Any) -> np.ndarray:
     """Every process's `row` as a `[process_count, len(row)]` float64
     matrix, in process order, on every process (`row[None]` on one).
 
-    A collective: every process calls it at the same point, with rows of
-    the same length. Exact: the float64 values travel as pairs of uint32
-    words (JAX without `jax_enable_x64` would round float64 to float32).
+    Every process calls it at the same point of the program, the same
+    number of times. The rows travel through `jax.distributed`'s
+    key-value store (the coordination service), not an XLA collective: no
+    compiled program runs, so nothing can interleave with the computations
+    of a `fit` in flight on the devices (an all-gather through gloo did,
+    measured under a `ModelParallel`: "collective mismatch"), the values
+    come back bit-exact (float64 bytes; JAX without `jax_enable_x64` rounds
+    float64 arrays to float32), and the wait is bounded (`_WAIT_MS`; a
+    dead process also stops this one through JAX's heartbeat).
     """
     row = np.ascontiguousarray(np.asarray(row, dtype=np.float64).reshape(-1))
     if not several_processes():
         return row[None]
-    from jax.experimental import multihost_utils
+    import jax
 
-    words = row.view(np.uint32)
-    gathered = np.asarray(multihost_utils.process_allgather(words))
-    return np.ascontiguousarray(
-        gathered.reshape(-1, words.size).astype(np.uint32)
-    ).view(np.float64)
+    client = _client()
+    call = next(_CALLS)
+    prefix = f"keras_mgpu/backup_rows/{call}"
+    client.key_value_set(f"{prefix}/{jax.process_index()}", row.tobytes().hex())
+    rows = [
+        np.frombuffer(
+            bytes.fromhex(
+                client.blocking_key_value_get(f"{prefix}/{index}", _WAIT_MS)
+            ),
+            dtype=np.float64,
+        )
+        for index in range(jax.process_count())
+    ]
+    return np.stack(rows)
 
 
-def unreadable_variables(variables: Any) -> list[str]:
-    """The paths of the variables that some process cannot read whole:
-    one of whose parts (shards) is on no device of that process. Empty
-    under `DataParallel` (replicated) and in one process; also for a
-    `ModelParallel` whose model axis stays within each process (JAX reads
-    such an array from the local shards). The same answer on every
-    process: it reads the layouts, which every process shares."""
+# Calls so far in this process: the same sequence on every process, so
+# call n's keys name the same exchange everywhere.
+_CALLS = itertools.count()
+_WAIT_MS = 600_000  # a live process that never comes: an error, not a hang
+
+
+def _client() -> Any:
+    """The client of `jax.distributed`'s coordination service. Private JAX
+    state (`jax._src.distributed.global_state`, jax 0.4.x to 0.10.2): a
+    clear error where it moved."""
+    try:
+        from jax._src.distributed import global_state
+    except ImportError as exc:  # pragma: no cover - a JAX that moved it
+        raise RuntimeError(
+            "keras_mgpu's BackupAndRestore needs jax.distributed's key-value "
+            "store (jax._src.distributed.global_state.client), which this "
+            "JAX version does not have."
+        ) from exc
+    client = global_state.client
+    if client is None or not hasattr(client, "blocking_key_value_get"):
+        raise RuntimeError(
+            "jax.distributed's key-value store is not available: start the "
+            "cluster with keras_mgpu.distribute.start_cluster() or "
+            "keras.distribution.initialize()."
+        )
+    return client
+
+
+def sharded_variables(variables: Any) -> list[str]:
+    """The paths of the variables that are not replicated on every device
+    (sharded by a `ModelParallel` layout). Empty under `DataParallel`."""
     return [
         str(getattr(variable, "path", variable))
         for variable in variables
-        if not _every_process_holds_all(getattr(variable, "value", variable))
+        if not _replicated(getattr(variable, "value", variable))
     ]
 
 
-def _every_process_holds_all(array: Any) -> bool:
-    """Whether every process holds every part of `array` (True for
-    something that is not a sharded JAX array)."""
+def _replicated(array: Any) -> bool:
     sharding = getattr(array, "sharding", None)
-    if sharding is None:
-        return True
-    held: dict[int, set] = {}
-    for device, index in sharding.devices_indices_map(
-        tuple(array.shape)
-    ).items():
-        held.setdefault(device.process_index, set()).add(_key(index))
-    every = set().union(*held.values())
-    return all(parts == every for parts in held.values())
-
-
-def _key(index: tuple) -> tuple:
-    """A shard's index (a tuple of slices) as something hashable."""
-    return tuple(
-        (s.start, s.stop, s.step) if isinstance(s, slice) else s for s in index
-    )
+    return sharding is None or bool(sharding.is_fully_replicated)
