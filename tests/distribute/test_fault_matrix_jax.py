@@ -204,8 +204,6 @@ def test_a_backup_dir_that_is_not_shared_is_refused_by_every_process(
 @pytest.mark.parametrize("layout", ["split", "local"])
 def test_sharded_state_is_refused_by_every_process(matrix, layout):
     for result in matrix["refusals"]:
-        if layout == "split":  # Keras's own saving cannot read it either
-            assert "non-addressable" in str(result["split_keras_save_error"])
         assert re.search(
             r"ValueError: BackupAndRestore on several JAX processes needs "
             r"every variable replicated on every device .* 1 variable\(s\) "
