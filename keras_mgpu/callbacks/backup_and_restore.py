@@ -106,15 +106,15 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
     process's devices) process 0 is the chief: it commits into
     `backup_dir`, the others save to a private folder deleted at once
     (Keras's `save_weights` creates variables, a collective every process
-    joins); the agreement at `on_train_begin` gathers each process's rows
-    through `jax.experimental.multihost_utils`. `backup_dir` must be a
-    folder every process reaches (shared file system, bucket): with one
-    that is not shared, every process raises the same `ValueError` as soon
-    as they see different backups. A variable sharded over devices of
-    several processes (a `ModelParallel` whose model axis spans processes)
-    cannot be read whole by any process, so Keras's `save_weights` fails
-    on it: such a model is refused at `on_train_begin`, on every process,
-    before any collective. A killed process makes the others exit within
+    joins); the agreement at `on_train_begin` exchanges each process's
+    rows through `jax.distributed`'s key-value store (no XLA collective,
+    each wait bounded). `backup_dir` must be a folder every process
+    reaches (shared file system, bucket): process 0 writes a probe file at
+    `on_train_begin`, and a process that does not see it within 5 s makes
+    every process raise the same `ValueError` before training. Every
+    variable must be replicated (`DataParallel`): sharded state (a
+    `ModelParallel` over several processes) is refused at
+    `on_train_begin`, on every process, before any exchange. A killed process makes the others exit within
     `start_cluster`'s `heartbeat_timeout` (JAX's coordination service);
     restart every process with the same command.
 
