@@ -42,14 +42,16 @@ SURVIVOR_BOUND = 2 * HEARTBEAT + 10  # seconds from the kill to its exit
 RUN_LIMIT = 150  # seconds for a killed run to reach its kill
 
 # case id: (seam spec or None, killer spec or None, save_freq, double).
-# "chief" is process 0 (the writer), "worker" process 1.
+# "chief" is process 0 (the writer), "worker" process 1. 6 steps an epoch,
+# accumulation windows of 4: every int case restores a mid-epoch,
+# mid-window backup (the damaged case falls back to one).
 CASES = {
-    "p0-mid-epoch-int-dc": (None, ["step", 1, 3, "chief"], 2, True),
+    "p0-mid-epoch-int-dc": (None, ["step", 1, 3, "chief"], 4, True),
     "p1-mid-epoch-epoch": (None, ["step", 2, 2, "worker"], "epoch", False),
     "p0-torn-weights-int-dc": ("weights_partial:chief:3", None, 2, True),
-    "p1-during-backup-write-int": ("weights_written:worker:3", None, 2, False),
+    "p1-during-backup-write-int": ("weights_written:worker:4", None, 2, False),
     "p0-validation-epoch-dc": (None, ["validation", 1, "chief"], "epoch", True),
-    "p1-validation-int": (None, ["validation", 0, "worker"], 2, False),
+    "p1-validation-int": (None, ["validation", 0, "worker"], 4, False),
 }
 
 # Its latest backup is damaged before the restart (double_checkpoint).
