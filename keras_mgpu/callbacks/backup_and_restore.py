@@ -114,9 +114,10 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
     every process raise the same `ValueError` before training. Every
     variable must be replicated (`DataParallel`): sharded state (a
     `ModelParallel` over several processes) is refused at
-    `on_train_begin`, on every process, before any exchange. A killed process makes the others exit within
-    `start_cluster`'s `heartbeat_timeout` (JAX's coordination service);
-    restart every process with the same command.
+    `on_train_begin`, on every process, before any exchange. A killed
+    process makes the others exit within `start_cluster`'s
+    `heartbeat_timeout` (JAX's coordination service); restart every
+    process with the same command.
 
     On one worker (no strategy, `MirroredStrategy`, ...) it behaves as
     Keras's, plus the commit protocol and the exact resume. It reads a
