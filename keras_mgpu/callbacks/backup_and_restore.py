@@ -159,6 +159,17 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         keras_mgpu.callbacks.BackupAndRestore("/shared/run1/backup")])
     # Kill any worker, restart every worker with the same command: the run
     # resumes at the epoch after the last backup.
+
+    # On JAX, in every process (the same restart):
+    distribution = keras_mgpu.distribute.start_cluster(
+        auto_shard_dataset=False, heartbeat_timeout=10)
+    with distribution.scope():
+        model = build_and_compile()
+        model.fit(
+            keras_mgpu.distribute.shard_across_processes(x, y, batch_size=64),
+            epochs=10,
+            callbacks=[keras_mgpu.callbacks.BackupAndRestore(
+                "/shared/run1/backup", save_freq=100)])
     ```
     """
 
