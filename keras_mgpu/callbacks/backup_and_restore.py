@@ -8,13 +8,13 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 import uuid
 import warnings
 from typing import Any
 
 from keras_mgpu._flavour import _tf_keras_if_installed, object_flavour
 from keras_mgpu.backend import (
-    BackendNotSupportedError,
     is_jax,
     require_backend,
 )
@@ -25,6 +25,8 @@ _METADATA = "training_metadata.json"
 _METADATA_COPY = "training_metadata.copy.json"
 _FORMAT = 2  # our metadata: a pointer with the file's SHA-256
 _KILL_ENV = "KERAS_MGPU_TEST_KILL_AT"  # test-only seam, see `_test_kill`
+# Seconds a JAX process waits to see the chief's probe in a shared folder.
+_SHARED_WAIT = 5.0
 
 
 def _keras3_base() -> type:
@@ -90,18 +92,32 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
       it; a restart with other numbers is refused (per-replica optimizer
       state and the split of each batch would differ), naming both.
 
-    **On Keras's JAX backend**, in one process, it does the same without
-    TensorFlow (local files; a remote "gs://" `backup_dir` goes through
-    `tf.io.gfile`, as Keras's own callback): with or without a
-    `keras.distribution.DataParallel` in force (build, compile and fit the
-    model inside `distribution.scope()`), a fit
-    interrupted by an exception and resumed with this callback in a fresh
-    model ends at the weights and optimizer state of the uninterrupted run,
-    from an epoch backup or mid-epoch (`save_freq=N`), Keras's built-in
-    `gradient_accumulation_steps` mid-window included. The step is one
-    global program there, so a backup resumes exactly on another number of
-    devices too (no shape check). Several JAX processes are refused for now
-    (the workers' agreement uses TensorFlow's collectives).
+    **On Keras's JAX backend** it does the same without TensorFlow (local
+    files; a remote "gs://" `backup_dir` goes through `tf.io.gfile`, as
+    Keras's own callback): with or without a `keras.distribution` in force
+    (build, compile and fit the model inside `distribution.scope()`), a fit
+    interrupted and resumed with this callback in a fresh model ends at the
+    weights and optimizer state of the uninterrupted run, from an epoch
+    backup or mid-epoch (`save_freq=N`), mid accumulation window included.
+    The step is one global program there, so a backup resumes exactly on
+    another number of devices too (the number of processes must match).
+    **Across JAX processes** (`keras_mgpu.distribute.start_cluster()` or
+    `keras.distribution.initialize()`, a `DataParallel` over every
+    process's devices) process 0 is the chief: it commits into
+    `backup_dir`, the others save to a private folder deleted at once
+    (Keras's `save_weights` creates variables, a collective every process
+    joins); the agreement at `on_train_begin` exchanges each process's
+    rows through `jax.distributed`'s key-value store (no XLA collective,
+    each wait bounded). `backup_dir` must be a folder every process
+    reaches (shared file system, bucket): process 0 writes a probe file at
+    `on_train_begin`, and a process that does not see it within 5 s makes
+    every process raise the same `ValueError` before training. Every
+    variable must be replicated (`DataParallel`): sharded state (a
+    `ModelParallel` over several processes) is refused at
+    `on_train_begin`, on every process, before any exchange. A killed
+    process makes the others exit within `start_cluster`'s
+    `heartbeat_timeout` (JAX's coordination service); restart every
+    process with the same command.
 
     On one worker (no strategy, `MirroredStrategy`, ...) it behaves as
     Keras's, plus the commit protocol and the exact resume. It reads a
@@ -110,7 +126,8 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
 
     Args:
         backup_dir: str, folder of the backup (not shared with anything
-            else). Under multi-worker training: reachable by every worker.
+            else). Under multi-worker training (or several JAX processes):
+            reachable by every worker.
         save_freq: "epoch" (default), int >= 1 (batches between saves) or
             False (or 0): no periodic save, as Keras documents it (Keras
             3.15 in fact saves after every batch); the callback still
@@ -142,6 +159,17 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         keras_mgpu.callbacks.BackupAndRestore("/shared/run1/backup")])
     # Kill any worker, restart every worker with the same command: the run
     # resumes at the epoch after the last backup.
+
+    # On JAX, in every process (the same restart):
+    distribution = keras_mgpu.distribute.start_cluster(
+        auto_shard_dataset=False, heartbeat_timeout=10)
+    with distribution.scope():
+        model = build_and_compile()
+        model.fit(
+            keras_mgpu.distribute.shard_across_processes(x, y, batch_size=64),
+            epochs=10,
+            callbacks=[keras_mgpu.callbacks.BackupAndRestore(
+                "/shared/run1/backup", save_freq=100)])
     ```
     """
 
@@ -153,8 +181,6 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         delete_checkpoint: bool = True,
     ) -> None:
         require_backend("BackupAndRestore")
-        if is_jax() and _several_jax_processes():
-            raise _jax_processes_refusal()
         if save_freq is False or (
             isinstance(save_freq, int)
             and not isinstance(save_freq, bool)
@@ -271,14 +297,14 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         # Several processes share one backup only when they train one model
         # together; otherwise each process owns its backup.
         together = is_multi_worker(strategy)
-        if together and is_jax():
-            raise _jax_processes_refusal()
         info = worker_info(strategy)
         self._is_chief = bool(info["is_chief"]) or not together
         self._num_workers = int(info["num_workers"]) if together else 1
         self._task_id = int(info["rank"] or 0) if together else 0
         if is_jax():
             self._num_replicas = num_replicas_in_sync(strategy)
+            if together:
+                self._check_jax_state_readable()
         else:
             self._num_replicas = int(
                 getattr(strategy, "num_replicas_in_sync", 1) or 1
@@ -355,6 +381,34 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             self._private_dir = None
         if self.delete_checkpoint and self._is_chief:
             self._delete_backup()
+
+    def _check_jax_state_readable(self) -> None:
+        """Several JAX processes: every variable must be replicated (a
+        `DataParallel`), so that each process reads it whole. Decided
+        alike on every process (from the layouts, which all share): all
+        raise the same error, none waits in a collective."""
+        from keras_mgpu.backend.jax.backup import sharded_variables
+
+        model = self._model
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and getattr(optimizer, "built", False):
+            variables += list(optimizer.variables)
+        sharded = sharded_variables(variables)
+        if sharded:
+            shown = ", ".join(sharded[:3])
+            shown += " ..." if len(sharded) > 3 else ""
+            raise ValueError(
+                "BackupAndRestore on several JAX processes needs every "
+                "variable replicated on every device (a "
+                "keras.distribution.DataParallel): process 0 writes the "
+                f"backup from its own copy. {len(sharded)} variable(s) are "
+                f"sharded by the distribution's layout ({shown}). Keras's "
+                "`save_weights` cannot read a variable split across "
+                "processes, and sharded layouts across processes are not "
+                "supported here yet. Use a DataParallel, or train a "
+                "ModelParallel in one process."
+            )
 
     # ------------------------------------------------------------------
     # Saving
@@ -549,9 +603,9 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         reports what it read or loaded (`gather_rows`), so a worker that
         fails never leaves the others waiting in a collective.
         """
-        from keras_mgpu.distribute.collectives import gather_rows
-
         strategy = self._strategy()
+        if is_jax() and self._num_workers > 1:
+            self._check_shared(strategy)
         metadata, error = None, None
         try:
             metadata = self._read_metadata()
@@ -576,7 +630,7 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         identity = _sha256_words(
             json.dumps(metadata, sort_keys=True) if metadata else ""
         )
-        rows = gather_rows(
+        rows = _gather_rows(
             strategy,
             [float(error is None), float(metadata is not None), *identity],
         )
@@ -619,7 +673,7 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         # collectives: all workers must load the same file, or none).
         candidates = self._candidates(metadata)
         errors = [self._readable(candidate) for candidate in candidates]
-        rows = gather_rows(
+        rows = _gather_rows(
             strategy, [float(error is None) for error in errors] + [1.0] * 2
         )
         chosen, failures = None, []
@@ -652,7 +706,7 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         # and a digest of the weights it holds now (computed whether the
         # load worked or not, so every worker reaches the all-reduce).
         error = self._load(chosen)
-        rows = gather_rows(
+        rows = _gather_rows(
             strategy,
             [float(error is None), *_sha256_words(_weights_bytes(model))],
         )
@@ -677,6 +731,60 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             )
         self._known = {k: v for k, v in chosen.items() if k != "previous"}
         self._resume_at(chosen)
+
+    def _check_shared(self, strategy: Any) -> None:
+        """Several JAX processes: refuse at once a `backup_dir` that is not
+        one folder for all (a local path on each host), before a run
+        writes backups that its restart could not use. The chief writes a
+        probe file; every process reports whether it sees it (waiting up
+        to `_SHARED_WAIT` seconds for a shared file system to show it)."""
+        token = uuid.uuid4().hex[:12]
+        probe, error = None, None
+        if self._is_chief:
+            try:
+                files = _gfile(self.backup_dir)
+                files.makedirs(self.backup_dir)
+                probe = os.path.join(self.backup_dir, f"probe-{token}.tmp")
+                with files.GFile(probe, "w") as f:
+                    f.write(token)
+                _fsync(probe)
+            except Exception as exc:  # every process must hear of it
+                error = f"{type(exc).__name__}: {exc}"
+        rows = _gather_rows(
+            strategy, [float(error is None), float(int(token, 16))]
+        )
+        written = bool(rows[0, 0])
+        seen = True
+        if written:
+            name = f"probe-{int(rows[0, 1]):012x}.tmp"
+            path = os.path.join(self.backup_dir, name)
+            deadline = time.monotonic() + _SHARED_WAIT
+            while not (seen := _gfile(path).exists(path)):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        rows = _gather_rows(strategy, [float(seen)])
+        if probe is not None:
+            _gfile(probe).remove(probe)
+        unseen = [r for r in range(len(rows)) if rows[r, 0] == 0]
+        if written and not unseen:
+            return
+        if not written:
+            reason = "process 0 cannot write into it" + (
+                f" ({error})" if error else ""
+            )
+        else:
+            reason = (
+                f"{_processes(unseen)} cannot see the file process 0 wrote "
+                f"into it (waited {_SHARED_WAIT:.0f} s)"
+            )
+        raise ValueError(
+            f"backup_dir={self.backup_dir!r} is not one folder for every "
+            f"process: {reason}. On several JAX processes process 0 writes "
+            "the backup and every process restores from it: pass a folder "
+            "on a shared file system (or a bucket) that every process "
+            "reaches. No process starts training."
+        )
 
     def _readable(self, candidate: dict) -> str | None:
         """Why this worker cannot read a backup, or None."""
@@ -814,23 +922,17 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
 
 
-def _several_jax_processes() -> bool:
-    """Whether `jax.distributed` already runs several processes (asked only
-    once it is initialised: counting earlier would start JAX's backends and
-    make `keras.distribution.initialize()` fail)."""
-    import jax
+def _gather_rows(strategy: Any, row: list[float]) -> Any:
+    """Every worker's `row`, in rank order, on every worker: one small
+    collective (TensorFlow: an all-reduce of `strategy`; JAX: an
+    all-gather across `jax.distributed`'s processes)."""
+    if is_jax():
+        from keras_mgpu.backend.jax.backup import gather_rows
 
-    return jax.distributed.is_initialized() and jax.process_count() > 1
+        return gather_rows(row)
+    from keras_mgpu.distribute.collectives import gather_rows
 
-
-def _jax_processes_refusal() -> BackendNotSupportedError:
-    return BackendNotSupportedError(
-        "BackupAndRestore on several JAX processes is not supported yet: "
-        "the processes' agreement on the backup uses TensorFlow's "
-        "collectives (multi-process support on JAX is planned, issue 29). "
-        "On one JAX process, with or without a keras.distribution, it "
-        "works."
-    )
+    return gather_rows(strategy, row)
 
 
 class _LocalFiles:
@@ -938,6 +1040,12 @@ def _sha256_words(data: str | bytes) -> list[float]:
         data = data.encode()
     hexdigest = hashlib.sha256(data).hexdigest()
     return [float(int(hexdigest[12 * i : 12 * i + 12], 16)) for i in range(4)]
+
+
+def _processes(ranks: list[int]) -> str:
+    return ("process " if len(ranks) == 1 else "processes ") + ", ".join(
+        str(r) for r in ranks
+    )
 
 
 def _hex(words: Any) -> str:

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from _training import mlp, regression_data
 
-from keras_mgpu.backend import BackendNotSupportedError
 from keras_mgpu.callbacks import BackupAndRestore
 
 STEPS = 5  # 40 samples, batch 8: 5 steps an epoch
@@ -235,13 +234,92 @@ def test_no_loadable_backup_is_a_clear_error(tmp_path):
         _run("default", backup)
 
 
-def test_several_jax_processes_are_refused(monkeypatch, tmp_path):
-    from keras_mgpu.callbacks import backup_and_restore
+def test_process_rows_travel_exactly(monkeypatch):
+    """The processes' agreement gathers float64 rows (SHA-256 words of 48
+    bits among them) through jax.distributed's key-value store: bit-exact,
+    in process order, each exchange under keys of its own, every wait
+    bounded."""
+    import jax
 
-    monkeypatch.setattr(backup_and_restore, "_several_jax_processes", lambda: 1)
+    from keras_mgpu.backend.jax import backup, kv_store, processes
+
+    assert backup.gather_rows is processes.allgather_rows  # one exchange
+    row = [1.0, float(2**48 - 1), 0.1, -3.5e300]
+    assert backup.gather_rows(row).tolist() == [row]  # one process
+
+    class Store:  # jax.distributed's client, holding process 1's rows
+        def __init__(self):
+            self.values, self.waits, self.deleted = {}, [], []
+
+        def key_value_set(self, key, value):
+            assert key not in self.values  # never overwritten
+            self.values[key] = value
+            other = key[: key.rindex("/")] + "/1"
+            self.values[other] = np.asarray(row[::-1]).tobytes().hex()
+
+        def blocking_key_value_get(self, key, timeout_in_ms):
+            self.waits.append(timeout_in_ms)
+            return self.values[key]
+
+        def key_value_delete(self, key):
+            self.deleted.append(key)
+            del self.values[key]  # KeyError: an exchange before this test
+
+    store = Store()
+    monkeypatch.setattr(processes, "several_processes", lambda: True)
+    monkeypatch.setattr(kv_store, "client", lambda: store)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    first = next(processes._CALLS) + 1  # other tests' exchanges went before
+    for _ in range(3):
+        gathered = backup.gather_rows(row)
+        assert gathered.dtype == np.float64
+        assert gathered.tolist() == [row, row[::-1]]
+    # 3 exchanges x 2 processes, less this process's key of the first
+    # (deleted at the third, when every process has read it)
+    assert len(store.values) == 5
+    assert store.deleted[-1] == f"{processes._PREFIX}/{first}/0"
+    assert store.waits and all(0 < w <= 600_000 for w in store.waits)
+
+
+def test_sharded_state_is_named():
+    from keras_mgpu.backend.jax.backup import sharded_variables
+
+    devices = keras.distribution.list_devices("cpu")
+    with keras.distribution.DataParallel(devices=devices).scope():
+        replicated = mlp()
+    assert sharded_variables(replicated.variables) == []
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense.*kernel"] = (None, "model")
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+    with distribution.scope():
+        sharded = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(8, name="dense_wide")]
+        )
+    assert sharded_variables(sharded.variables) == [
+        sharded.layers[0].kernel.path
+    ]
+
+
+def test_split_state_is_refused_before_any_collective(monkeypatch, tmp_path):
+    from keras_mgpu.backend.jax import backup
+    from keras_mgpu.distribute import strategy
+
+    calls = []
+    monkeypatch.setattr(strategy, "is_multi_worker", lambda s=None: True)
+    monkeypatch.setattr(
+        backup, "sharded_variables", lambda v: ["dense/kernel"] * 4
+    )
+    monkeypatch.setattr(backup, "gather_rows", calls.append)
     with pytest.raises(
-        BackendNotSupportedError,
-        match="BackupAndRestore on several JAX processes is not supported "
-        "yet: .* issue 29",
+        ValueError,
+        match=r"needs every variable replicated on every device \(a "
+        r"keras.distribution.DataParallel\): .* 4 variable\(s\) are "
+        r"sharded by the distribution's layout "
+        r"\(dense/kernel, dense/kernel, dense/kernel \.\.\.\)",
     ):
-        BackupAndRestore(str(tmp_path))
+        _run("default", str(tmp_path / "backup"))
+    assert calls == []  # raised before the processes' first collective

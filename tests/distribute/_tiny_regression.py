@@ -20,8 +20,9 @@ def compiled_model(seed: int, optimizer: Any) -> Any:
     """The model, built after seeding, compiled with `optimizer` (a
     callable taking the Keras module, so it is built after the seed)."""
     from keras_mgpu._flavour import keras
+    from keras_mgpu.testing import set_random_seed
 
-    keras.utils.set_random_seed(seed)
+    set_random_seed(seed)  # on JAX without importing TensorFlow
     model = keras.Sequential(
         [
             keras.Input((5,)),

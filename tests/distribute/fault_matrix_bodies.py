@@ -78,7 +78,6 @@ def train(
     import tensorflow as tf
 
     import keras_mgpu
-    from keras_mgpu.callbacks import BackupAndRestore, LearningRateWarmup
     from keras_mgpu.distribute.strategy import worker_info
 
     if multi_worker:
@@ -90,6 +89,41 @@ def train(
         info = {"rank": 0, "is_chief": True, "task_name": "local"}
     with strategy.scope():
         model = _compiled_model()
+    x, y = _data()
+    error, epochs_run = fit_with_backup(
+        model,
+        (backup_dir, save_freq, double_checkpoint, stop),
+        bool(info["is_chief"]),
+        dict(x=x, y=y, batch_size=GLOBAL_BATCH, shuffle=False),
+        (x[:16], y[:16]),
+    )
+    return {
+        "error": error,
+        "epochs_run": epochs_run,
+        "rank": info["rank"],
+        "task_name": info["task_name"],
+        "weights": [w.tolist() for w in model.get_weights()],
+        "updates": updates(model),
+    }
+
+
+def updates(model) -> int:
+    """The optimizer's update count, on any backend."""
+    import numpy as np
+
+    return int(np.asarray(model.optimizer.iterations))
+
+
+def fit_with_backup(
+    model, case: tuple, is_chief: bool, inputs: dict, validation_data
+) -> tuple:
+    """`model.fit(**inputs)` for `EPOCHS` with BackupAndRestore
+    (`case`: backup_dir, save_freq, double_checkpoint, stop),
+    LearningRateWarmup and the killer `stop` asks for; returns the error
+    (None) and the epochs run. Shared by the TensorFlow and JAX matrices."""
+    from keras_mgpu.callbacks import BackupAndRestore, LearningRateWarmup
+
+    backup_dir, save_freq, double_checkpoint, stop = case
     callbacks = [
         BackupAndRestore(
             backup_dir,
@@ -99,33 +133,20 @@ def train(
         LearningRateWarmup(warmup_steps=WARMUP_UPDATES),
     ]
     if stop:
-        callbacks.append(_killer(stop, bool(info["is_chief"])))
-    x, y = _data()
-    error, epochs_run = None, None
+        callbacks.append(_killer(stop, is_chief))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             history = model.fit(
-                x,
-                y,
-                batch_size=GLOBAL_BATCH,
+                **inputs,
                 epochs=EPOCHS,
-                shuffle=False,
-                validation_data=(x[:16], y[:16]),
+                validation_data=validation_data,
                 verbose=0,
                 callbacks=callbacks,
             )
-        epochs_run = history.epoch
     except Exception as exc:  # reported, not raised: the test asserts on it
-        error = f"{type(exc).__name__}: {exc}"[-3000:]
-    return {
-        "error": error,
-        "epochs_run": epochs_run,
-        "rank": info["rank"],
-        "task_name": info["task_name"],
-        "weights": [w.tolist() for w in model.get_weights()],
-        "updates": int(model.optimizer.iterations.numpy()),
-    }
+        return f"{type(exc).__name__}: {exc}"[-3000:], None
+    return None, history.epoch
 
 
 def reference() -> dict:
@@ -147,5 +168,5 @@ def reference() -> dict:
         )
     return {
         "weights": [w.tolist() for w in model.get_weights()],
-        "updates": int(model.optimizer.iterations.numpy()),
+        "updates": updates(model),
     }

@@ -51,7 +51,6 @@ def agree_on_seed() -> int:
     (`keras.utils.set_random_seed` on every process), else one drawn on
     process 0 and broadcast (Keras's `initialize` does the same with a sum
     of per-process draws)."""
-    import keras
     import numpy as np
 
     seed = _keras_global_seed()
@@ -59,9 +58,13 @@ def agree_on_seed() -> int:
         return seed
     from jax.experimental import multihost_utils
 
+    from keras_mgpu.testing.seeds import set_random_seed
+
     draw = np.asarray(np.random.randint(0, 2**31 - 1), dtype=np.int32)
     seed = int(multihost_utils.broadcast_one_to_all(draw))
-    keras.utils.set_random_seed(seed)
+    # Keras's `set_random_seed` imports TensorFlow whenever it is installed
+    # (seconds per process); this one seeds alike without it.
+    set_random_seed(seed)
     return seed
 
 
