@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -13,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _LIVE: dict[subprocess.Popen, subprocess.Popen] = {}
@@ -186,6 +187,30 @@ def run_workers(
             {"TF_CONFIG": json.dumps(config)}
             for config in cluster_tf_configs(num_workers, chief)
         ]
+    with started_processes(
+        target, envs, args, env, cpu_devices, backend, timeout
+    ) as (workdir, procs, logs):
+        _wait(procs, logs, timeout, target)
+        return [_result(workdir, i, logs) for i in range(len(procs))]
+
+
+@contextlib.contextmanager
+def started_processes(
+    target: str,
+    envs: list[dict],
+    args: tuple,
+    env: dict | None,
+    cpu_devices: int,
+    backend: str,
+    timeout: float,
+) -> Iterator[tuple[str, list, list]]:
+    """One process per entry of `envs` running `target(*args)` (the child
+    entry point: joins the cluster, writes `result_<i>.pkl` in the work
+    folder), each in its own process group, logging to `log_<i>.txt`;
+    yields (work folder, processes, open logs). On exit every process
+    still running is killed, the logs closed, the folder deleted, the
+    reaper stopped: nothing is left behind, whatever the caller waited
+    for (tests of failures wait for their own ends)."""
     workdir = tempfile.mkdtemp(prefix="keras_mgpu_workers_")
     reaper = _start_reaper(workdir)
     procs, logs = [], []
@@ -204,8 +229,7 @@ def run_workers(
                 "timeout": timeout,
             }
             procs.append(_start(spec, cluster_env, env, log, reaper))
-        _wait(procs, logs, timeout, target)
-        return [_result(workdir, i, logs) for i in range(len(procs))]
+        yield workdir, procs, logs
     finally:
         for proc in procs:
             _kill(proc, reaper)

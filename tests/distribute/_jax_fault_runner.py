@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 import time
 from typing import Any
 
@@ -37,24 +36,9 @@ def run_jax_cluster(
         env["XLA_FLAGS"] = workers._with_device_count(
             os.environ.get("XLA_FLAGS", ""), cpu_devices
         )
-    workdir = tempfile.mkdtemp(prefix="keras_mgpu_workers_")
-    reaper = workers._start_reaper(workdir)
-    procs, logs = [], []
-    try:
-        with open(os.path.join(workdir, "args.pkl"), "wb") as f:
-            pickle.dump(args, f)
-        for index, env in enumerate(envs):
-            log = open(os.path.join(workdir, f"log_{index}.txt"), "w+")
-            logs.append(log)
-            spec = {
-                "target": target,
-                "workdir": workdir,
-                "index": index,
-                "cpu_devices": cpu_devices,
-                "backend": "jax",
-                "timeout": timeout,
-            }
-            procs.append(workers._start(spec, env, None, log, reaper))
+    with workers.started_processes(
+        target, envs, args, None, cpu_devices, "jax", timeout
+    ) as (workdir, procs, logs):
         ended: list[float | None] = [None] * len(procs)
         deadline = time.monotonic() + timeout
         awaited = [i for i in range(len(procs)) if i not in may_hang]
@@ -82,9 +66,3 @@ def run_jax_cluster(
                 }
             )
         return results
-    finally:
-        for proc in procs:
-            workers._kill(proc, reaper)
-        for log in logs:
-            log.close()
-        workers._stop_reaper(reaper, workdir)
