@@ -8,6 +8,7 @@ import keras
 import pytest
 from monitoring import _communication_cases as cases
 
+import keras_mgpu
 from keras_mgpu.backend.jax.collectives import (
     collectives_from_hlo,
     compiled_train_step,
@@ -61,3 +62,24 @@ def test_model_parallel_reduces_each_devices_shard_over_the_data_axis():
     assert sum(r.bytes - r.scalar_bytes for r in over_data) == expected
     # The model axis carries the activations' partial sums besides.
     assert any(r.mesh_axes != (0,) for r in records)
+
+
+def test_accumulation_reduces_every_micro_step_on_jax():
+    distribution = keras.distribution.DataParallel(
+        devices=keras.distribution.list_devices("cpu")
+    )
+    x, y = cases.batch()
+    with distribution.scope():
+        optimizer = keras_mgpu.GradientAccumulationOptimizer(
+            keras.optimizers.SGD(0.1), accumulation_steps=4
+        )
+        model = cases.build_model(keras, optimizer=optimizer)
+        model.train_on_batch(x, y)
+        counts = train_step_collectives(model, x, y)
+        traffic = update_bytes(model)
+    # Each `fit` step (one micro-step) is a compiled call that reduces its
+    # gradients once: 4 reductions per update.
+    assert counts["all-reduce"] - counts["scalar"] == cases.float32_bytes()
+    assert traffic.payload_bytes == cases.float32_bytes()
+    assert traffic.reductions_per_update == 4
+    assert traffic.bytes_per_update == 4 * cases.float32_bytes()
