@@ -417,8 +417,8 @@ def predict_scaling(
 
     Args:
         step_seconds: seconds per update on one device (> 0), measured.
-        bytes_per_update: bytes each device reduces per update (> 0... or
-            0), or an `UpdateTraffic` (its `bytes_per_update`).
+        bytes_per_update: bytes each device reduces per update (>= 0), or
+            an `UpdateTraffic` (its `bytes_per_update`).
         devices: int >= 1, devices in all (a multiple of `hosts`).
         hosts: int >= 1 (default 1).
         intra_host_gbps: GB/s (bytes, per direction) between devices of a

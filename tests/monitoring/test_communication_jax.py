@@ -23,6 +23,8 @@ def test_data_parallel_reduces_exactly_the_gradients_bytes():
     x, y = cases.batch()
     with distribution.scope():
         model = cases.build_model(keras, metrics=["mae"])
+        with pytest.raises(ValueError, match="`model` must be compiled and"):
+            train_step_collectives(model, x, y)
         model.train_on_batch(x, y)
         counts = train_step_collectives(model, x, y)
         traffic = update_bytes(model)
