@@ -18,5 +18,7 @@ imports TensorFlow.
   preallocation note (the monitors).
 - `compiled_memory`: what XLA's compiled train step needs for a batch
   (memory analysis, not run), for `find_batch_size`.
+- `collectives`: the compiled train step's collectives and their bytes,
+  read from XLA's HLO text (`keras_mgpu.monitoring.communication`).
 - `variables`: variables laid out like a reference variable.
 """
