@@ -16,36 +16,12 @@ from typing import Any
 
 from keras_mgpu._flavour import IS_TF_KERAS, TF_RUNS, keras, tf
 
+# The mask hooks live in the backend layer: the JAX engine needs them too.
+from keras_mgpu.backend.masking import get_keras_mask, set_keras_mask
+
 # ---------------------------------------------------------------------------
 # Private Keras hooks, each isolated in one function.
 # ---------------------------------------------------------------------------
-
-
-def get_keras_mask(tensor: Any) -> Any:
-    """The Keras mask attached to `tensor`, or None.
-
-    Keras 3.15 keeps masks in `keras.src.backend.common.masking` (an
-    attribute, or a side table for tensors that refuse attributes); tf_keras
-    2.x uses the `_keras_mask` attribute. Neither is public.
-    """
-    if IS_TF_KERAS:
-        return getattr(tensor, "_keras_mask", None)
-    from keras.src.backend.common.masking import get_keras_mask as get
-
-    return get(tensor)
-
-
-def set_keras_mask(tensor: Any, mask: Any) -> None:
-    """Attach `mask` to `tensor` the way Keras does (see `get_keras_mask`)."""
-    if IS_TF_KERAS:
-        try:
-            tensor._keras_mask = mask
-        except AttributeError:
-            pass
-        return
-    from keras.src.backend.common.masking import set_keras_mask as put
-
-    put(tensor, mask)
 
 
 def replayed_state_variables(layers: Sequence[Any]) -> list:

@@ -284,8 +284,12 @@ def apply_recompute(
     recompute communicates nothing).
     Unlike `keras.RematScope`, which rematerializes each layer alone (each
     layer's input is kept anyway) and fails with Dropout on JAX, segments
-    (`policy="sqrt"`, `"min_memory"`) keep only their boundaries. Other
-    backends are refused.
+    (`policy="sqrt"`, `"min_memory"`) keep only their boundaries. Layers
+    built under a `keras.RematScope` are taken over: while switched, Keras's
+    own remat of them is off (it would wrap the switched call a second
+    time), so they are recomputed once, with the plain gradients;
+    `strip_recompute` gives the scope's mode back. Other backends are
+    refused.
 
     With `in_place=False` (the default of 0.1), a Sequential or
     functional `model` is rebuilt with its own chosen layers wrapped in

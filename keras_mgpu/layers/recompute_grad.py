@@ -20,11 +20,8 @@ from keras_mgpu._flavour import (
 )
 from keras_mgpu._layer_calls import accepts
 from keras_mgpu.backend import require_backend
-from keras_mgpu.layers._recompute_engine import (
-    check_replayable,
-    recompute,
-    set_keras_mask,
-)
+from keras_mgpu.backend.masking import set_keras_mask
+from keras_mgpu.layers._recompute_engine import check_replayable, recompute
 from keras_mgpu.layers.recompute_in_place import is_recomputed_in_place
 
 

@@ -45,6 +45,7 @@ _RUNNER = "_run_through_graph"
 _SELECTIVE_MARK = "_keras_mgpu_recompute_selective"
 _CORE_MARK = "_keras_mgpu_recompute_core"
 _ACTIVATION_MARK = "_keras_mgpu_recompute_activation"
+_REMAT_MARK = "_keras_mgpu_keras_remat_mode"
 
 # Layers whose recomputation is running on this thread (replica threads of
 # MirroredStrategy trace and differentiate concurrently): their switched
@@ -66,6 +67,41 @@ def _bypass(layer: Any) -> Iterator[None]:
         yield
     finally:
         ids.discard(id(layer))
+
+
+# ---------------------------------------------------------------------------
+# Keras's own per-layer remat (`keras.RematScope`), taken over.
+# ---------------------------------------------------------------------------
+
+
+def _take_over_remat(layer: Any) -> None:
+    """Turn Keras's own rematerialization off for a layer recomputed here.
+
+    A layer built under `keras.RematScope` keeps the scope's mode in the
+    private `_remat_mode` (Keras 3.9-3.15, set in `Operation.__init__`) and
+    `Operation.__call__` then runs `keras.remat(self.call)`: `jax.checkpoint`
+    on JAX, `tf.recompute_grad` on TensorFlow. With our switch on, that
+    `self.call` is the switched method stored on the instance, the same
+    object at every call, and `jax.checkpoint` caches its trace per function
+    object: every later trace (the next `fit`, a `fit` after `predict`)
+    reused the first one, its weights baked in as constants (zero gradients)
+    or its tracers leaked (`UnexpectedTracerError`). On TensorFlow
+    `tf.recompute_grad` fails in graph mode. Our recomputation covers the
+    layer already, so Keras's is switched off while ours is on and given
+    back by `restore_layer`. tf_keras layers have no `_remat_mode`.
+    """
+    mode = getattr(layer, "_remat_mode", None)
+    if mode is None or _REMAT_MARK in layer.__dict__:
+        return
+    object.__setattr__(layer, _REMAT_MARK, mode)
+    object.__setattr__(layer, "_remat_mode", None)
+
+
+def _give_back_remat(layer: Any) -> bool:
+    if _REMAT_MARK not in layer.__dict__:
+        return False
+    object.__setattr__(layer, "_remat_mode", layer.__dict__.pop(_REMAT_MARK))
+    return True
 
 
 # ---------------------------------------------------------------------------
@@ -146,6 +182,7 @@ def recompute_layer_in_place(layer: Any) -> None:
     # `copy.deepcopy`, are plain.)
     method = types.MethodType(_recomputed_call(type(layer).call), layer)
     object.__setattr__(layer, "call", method)
+    _take_over_remat(layer)
 
 
 # ---------------------------------------------------------------------------
@@ -221,15 +258,45 @@ def _switch_core(layer: Any) -> None:
 
 
 def _switch_activation(layer: Any, activation: Any) -> None:
-    # Keras 3.15's Dense and EinsumDense apply `self.activation` after the
-    # product: the product's output is kept, the activation recomputed.
-    # `wraps` keeps the name `get_config` serializes.
-    @functools.wraps(activation)
+    """Recompute `layer.activation` (a function) from its input.
+
+    Keras 3.15's Dense and EinsumDense apply `self.activation` after the
+    product: the product's output is kept, the activation recomputed. The
+    attribute holds a stand-in while the switch is on, so the layer's
+    `get_config` is switched too: it runs the class's `get_config` with the
+    original activation in place, and the config (a `.keras` file's, a
+    registered activation's `'package>name'`) is exactly the plain layer's.
+    """
+
     def recomputed(x):
         return recompute(activation, x, [])
 
+    # The name, module and docstring, for whoever reads them (not `__dict__`:
+    # an activation object's attributes are its own).
+    functools.update_wrapper(recomputed, activation, updated=())
+    class_get_config = type(layer).get_config
+
+    @functools.wraps(class_get_config)
+    def get_config(self):
+        switched = self.__dict__.get("activation")
+        object.__setattr__(self, "activation", activation)
+        try:
+            return class_get_config(self)
+        finally:
+            object.__setattr__(self, "activation", switched)
+
     object.__setattr__(layer, "activation", recomputed)
+    object.__setattr__(layer, "get_config", types.MethodType(get_config, layer))
     object.__setattr__(layer, _ACTIVATION_MARK, activation)
+
+
+def _switch_activation_layer(layer: Any) -> None:
+    """An activation given as a layer object (`Dense(activation=
+    keras.layers.LeakyReLU(0.2))`, a sublayer of its owner): its own `call`
+    is switched, as any cheap layer's; the owner's attribute, and so its
+    config, stay as they are."""
+    if not is_recomputed_in_place(layer):
+        recompute_layer_in_place(layer)
 
 
 def _restore_selective(layer: Any) -> bool:
@@ -240,6 +307,7 @@ def _restore_selective(layer: Any) -> bool:
     original = layer.__dict__.pop(_ACTIVATION_MARK, None)
     if original is not None:
         object.__setattr__(layer, "activation", original)
+        layer.__dict__.pop("get_config", None)
         restored = True
     return restored
 
@@ -265,11 +333,16 @@ def recompute_selective(block: Any) -> None:
         if _is_cheap(layer):
             recompute_layer_in_place(layer)
             return
+        # Keras's own remat of a layer switched here (`keras.RematScope`)
+        # would recompute its products too: ours takes over.
+        _take_over_remat(layer)
         if _has_attention_core(layer):
             _switch_core(layer)
             return  # Its softmax and dropout run inside the core.
         activation = _nonlinear_activation(layer)
-        if activation is not None and _ACTIVATION_MARK not in layer.__dict__:
+        if isinstance(activation, keras.layers.Layer):
+            _switch_activation_layer(activation)
+        elif activation is not None and _ACTIVATION_MARK not in layer.__dict__:
             _switch_activation(layer, activation)
         for sub in layer._flatten_layers(include_self=False, recursive=False):
             if not is_recomputed_in_place(sub):
@@ -283,6 +356,7 @@ def restore_layer(layer: Any) -> bool:
     """Undo `recompute_layer_in_place` (and the selective switches of
     `recompute_selective`); True if there was something to undo."""
     restored = _restore_selective(layer)
+    restored = _give_back_remat(layer) or restored
     if not getattr(layer.__dict__.get("call"), _CALL_MARK, False):
         return restored
     del layer.__dict__["call"]
@@ -402,6 +476,7 @@ def recompute_segments_in_place(graph: Any, segments: list[list]) -> None:
         for node in nodes:
             restore_layer(node.operation)
             object.__setattr__(node.operation, _SEGMENT_MARK, id(nodes[0]))
+            _take_over_remat(node.operation)
         plan[id(nodes[0])] = (list(nodes), _exits(graph, nodes))
     object.__setattr__(graph, _PLAN, plan)
     if _RUNNER not in graph.__dict__:
@@ -418,6 +493,7 @@ def restore_graph(graph: Any) -> list:
     for nodes, _ in (plan or {}).values():
         for node in nodes:
             node.operation.__dict__.pop(_SEGMENT_MARK, None)
+            _give_back_remat(node.operation)
             members.append(node.operation)
     return members
 

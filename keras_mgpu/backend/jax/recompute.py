@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from keras_mgpu._flavour import keras
+from keras_mgpu.backend.masking import get_keras_mask, set_keras_mask
 
 
 def _is_array(x: Any) -> bool:
@@ -152,11 +153,6 @@ def recompute(
             (the TensorFlow engine runs the region again through `again`).
     """
     del again
-    from keras_mgpu.layers._recompute_engine import (
-        get_keras_mask,
-        set_keras_mask,
-    )
-
     flat = keras.tree.flatten(structure)
     positions = [i for i, x in enumerate(flat) if _is_array(x)]
     arrays = [flat[i] for i in positions]
