@@ -35,7 +35,7 @@ import numpy as np
 
 from keras_mgpu._flavour import keras, tf
 from keras_mgpu.backend import backend as _backend
-from keras_mgpu.testing.seeds import set_random_seed
+from keras_mgpu.testing import set_random_seed
 
 DEMO_EXTRA_HINT = 'pip install "keras-mgpu[demo]"'
 
@@ -140,7 +140,7 @@ def configure_devices(
 def _configure_jax_devices(
     num_devices: int | None, use_gpus: bool
 ) -> dict[str, Any]:
-    from keras_mgpu.testing.devices import _configure_jax_cpu_devices
+    from keras_mgpu.testing import configure_cpu_devices
 
     if not use_gpus:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -148,7 +148,7 @@ def _configure_jax_devices(
     cpu_count = 2 if num_devices is None else num_devices
     try:
         # Sets XLA_FLAGS before JAX starts; a GPU machine ignores it.
-        _configure_jax_cpu_devices(cpu_count)
+        configure_cpu_devices(cpu_count)
         cpu_ok = True
     except RuntimeError:
         cpu_ok = False
@@ -584,7 +584,7 @@ def drop_refused_components(config: DemoConfig) -> DemoConfig:
     `skipped` with the reason, for the summary. On TensorFlow every one
     constructs.
     """
-    from keras_mgpu.cli._components import _probes, construct
+    from keras_mgpu._components import _probes, construct
 
     probes = _probes()
     skipped = dict(config.skipped)
