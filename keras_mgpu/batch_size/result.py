@@ -104,17 +104,23 @@ class BatchSizeResult:
             f"batch per replica is {self.batch_size:,}: it needs "
             f"{self.measured_peak_mb:,.1f} MB"
         )
+        text += self._what_limits()
+        return text + (
+            f". The search and a short `fit` at the answer took "
+            f"{self.search_seconds:.1f} s; one step takes "
+            f"{1e3 * self.seconds_per_sample:.3g} ms per sample."
+        )
+
+    def _what_limits(self) -> str:
+        """Why the answer is not larger, for `explain`."""
+        text = ""
         if self.limited_by == "max_batch_size":
             text += ", and it is the cap (max_batch_size)"
         elif self.upper_bound is not None:
             text += f"; {self.upper_bound:,} did not fit"
         if self.limited_by == "trials":
             text += " (the search stopped at max_trials)"
-        return text + (
-            f". The search and a short `fit` at the answer took "
-            f"{self.search_seconds:.1f} s; one step takes "
-            f"{1e3 * self.seconds_per_sample:.3g} ms per sample."
-        )
+        return text
 
     def predict_peak_mb(self, batch_size: int) -> float:
         """The fitted line's peak for `batch_size` (MB)."""
@@ -138,12 +144,7 @@ class BatchSizeResult:
             f"{self.batch_size:,}: predicted peak {self.peak_mb:,.1f} MB, "
             f"measured {self.measured_peak_mb:,.1f} MB"
         )
-        if self.limited_by == "max_batch_size":
-            text += ", and it is the cap (max_batch_size)"
-        elif self.upper_bound is not None:
-            text += f"; {self.upper_bound:,} did not fit"
-        if self.limited_by == "trials":
-            text += " (the search stopped at max_trials)"
+        text += self._what_limits()
         if len(self.worker_batch_sizes) > 1:
             text += (
                 "; the smallest of the workers' answers "
