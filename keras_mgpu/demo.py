@@ -455,19 +455,27 @@ class _Paths:
         )
 
 
+def _whole_steps(
+    config: DemoConfig, replicas: int, examples: int
+) -> tuple[int, int]:
+    """(examples per step, whole steps per epoch) on either backend."""
+    step_batch = config.batch_size * replicas
+    steps_per_epoch = examples // step_batch
+    if steps_per_epoch < 1:
+        raise ValueError(
+            f"--batch-size {config.batch_size} x {replicas} replicas = "
+            f"{step_batch} is larger than the {examples} training "
+            "images: use a smaller --batch-size"
+        )
+    return step_batch, steps_per_epoch
+
+
 def _datasets(
     config: DemoConfig, replicas: int, data: tuple
 ) -> tuple[Any, Any, int]:
     """(train, test, steps per epoch): one micro-step of every replica."""
     x_train, y_train, x_test, y_test = data
-    step_batch = config.batch_size * replicas
-    steps_per_epoch = len(x_train) // step_batch
-    if steps_per_epoch < 1:
-        raise ValueError(
-            f"--batch-size {config.batch_size} x {replicas} replicas = "
-            f"{step_batch} is larger than the {len(x_train)} training "
-            "images: use a smaller --batch-size"
-        )
+    step_batch, steps_per_epoch = _whole_steps(config, replicas, len(x_train))
     # Whole batches only: every micro-step gives each replica the same
     # number of examples, and the train step is traced once.
     train = (
@@ -846,14 +854,7 @@ def _train_on_jax(
     )
     replicas = len(device_info["devices"])
     x_train, y_train, x_test, y_test = data
-    step_batch = config.batch_size * replicas
-    steps_per_epoch = len(x_train) // step_batch
-    if steps_per_epoch < 1:
-        raise ValueError(
-            f"--batch-size {config.batch_size} x {replicas} replicas = "
-            f"{step_batch} is larger than the {len(x_train)} training "
-            "images: use a smaller --batch-size"
-        )
+    step_batch, steps_per_epoch = _whole_steps(config, replicas, len(x_train))
     # Whole batches only, as on TensorFlow (drop_remainder): every step
     # splits evenly over the devices and the step is compiled once.
     # `fit` shuffles these examples each epoch.
