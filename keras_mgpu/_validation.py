@@ -31,17 +31,26 @@ def check_int(
     allowed = "an integer" + (f" >= {minimum}" if minimum is not None else "")
     if allow_none:
         allowed += " or None"
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    _check_kind(value, argument, allowed, numbers.Integral)
+    if minimum is not None and value < minimum:
+        raise _out_of_range(value, argument, allowed)
+    return int(value)
+
+
+def _check_kind(value: object, argument: str, allowed: str, kind: type) -> None:
+    # Bools are ints and numbers to Python, never to an argument here.
+    if isinstance(value, bool) or not isinstance(value, kind):
         raise TypeError(
             f"Argument `{argument}` must be {allowed}. "
             f"Received: {argument}={value!r} (of type {type(value).__name__})"
         )
-    if minimum is not None and value < minimum:
-        raise ValueError(
-            f"Argument `{argument}` must be {allowed}. "
-            f"Received: {argument}={value!r}"
-        )
-    return int(value)
+
+
+def _out_of_range(value: object, argument: str, allowed: str) -> ValueError:
+    return ValueError(
+        f"Argument `{argument}` must be {allowed}. "
+        f"Received: {argument}={value!r}"
+    )
 
 
 def check_number(
@@ -64,21 +73,14 @@ def check_number(
     allowed = "a number" + (f" {' and '.join(bounds)}" if bounds else "")
     if allow_none:
         allowed += " or None"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"Argument `{argument}` must be {allowed}. "
-            f"Received: {argument}={value!r} (of type {type(value).__name__})"
-        )
+    _check_kind(value, argument, allowed, numbers.Real)
     value = float(value)
     too_small = minimum is not None and (
         value <= minimum if exclusive_minimum else value < minimum
     )
     too_large = maximum is not None and value > maximum
     if too_small or too_large or value != value:  # NaN fails every bound
-        raise ValueError(
-            f"Argument `{argument}` must be {allowed}. "
-            f"Received: {argument}={value!r}"
-        )
+        raise _out_of_range(value, argument, allowed)
     return value
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from keras_mgpu._flavour import keras, tf
 from keras_mgpu.backend import backend as _backend
-from keras_mgpu.testing.seeds import set_random_seed
+from keras_mgpu.testing import set_random_seed
 
 DEMO_EXTRA_HINT = 'pip install "keras-mgpu[demo]"'
 
@@ -140,7 +140,7 @@ def configure_devices(
 def _configure_jax_devices(
     num_devices: int | None, use_gpus: bool
 ) -> dict[str, Any]:
-    from keras_mgpu.testing.devices import _configure_jax_cpu_devices
+    from keras_mgpu.testing import configure_cpu_devices
 
     if not use_gpus:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -148,7 +148,7 @@ def _configure_jax_devices(
     cpu_count = 2 if num_devices is None else num_devices
     try:
         # Sets XLA_FLAGS before JAX starts; a GPU machine ignores it.
-        _configure_jax_cpu_devices(cpu_count)
+        configure_cpu_devices(cpu_count)
         cpu_ok = True
     except RuntimeError:
         cpu_ok = False
@@ -455,19 +455,27 @@ class _Paths:
         )
 
 
+def _whole_steps(
+    config: DemoConfig, replicas: int, examples: int
+) -> tuple[int, int]:
+    """(examples per step, whole steps per epoch) on either backend."""
+    step_batch = config.batch_size * replicas
+    steps_per_epoch = examples // step_batch
+    if steps_per_epoch < 1:
+        raise ValueError(
+            f"--batch-size {config.batch_size} x {replicas} replicas = "
+            f"{step_batch} is larger than the {examples} training "
+            "images: use a smaller --batch-size"
+        )
+    return step_batch, steps_per_epoch
+
+
 def _datasets(
     config: DemoConfig, replicas: int, data: tuple
 ) -> tuple[Any, Any, int]:
     """(train, test, steps per epoch): one micro-step of every replica."""
     x_train, y_train, x_test, y_test = data
-    step_batch = config.batch_size * replicas
-    steps_per_epoch = len(x_train) // step_batch
-    if steps_per_epoch < 1:
-        raise ValueError(
-            f"--batch-size {config.batch_size} x {replicas} replicas = "
-            f"{step_batch} is larger than the {len(x_train)} training "
-            "images: use a smaller --batch-size"
-        )
+    step_batch, steps_per_epoch = _whole_steps(config, replicas, len(x_train))
     # Whole batches only: every micro-step gives each replica the same
     # number of examples, and the train step is traced once.
     train = (
@@ -584,7 +592,7 @@ def drop_refused_components(config: DemoConfig) -> DemoConfig:
     `skipped` with the reason, for the summary. On TensorFlow every one
     constructs.
     """
-    from keras_mgpu.cli._components import _probes, construct
+    from keras_mgpu._components import _probes, construct
 
     probes = _probes()
     skipped = dict(config.skipped)
@@ -846,14 +854,7 @@ def _train_on_jax(
     )
     replicas = len(device_info["devices"])
     x_train, y_train, x_test, y_test = data
-    step_batch = config.batch_size * replicas
-    steps_per_epoch = len(x_train) // step_batch
-    if steps_per_epoch < 1:
-        raise ValueError(
-            f"--batch-size {config.batch_size} x {replicas} replicas = "
-            f"{step_batch} is larger than the {len(x_train)} training "
-            "images: use a smaller --batch-size"
-        )
+    step_batch, steps_per_epoch = _whole_steps(config, replicas, len(x_train))
     # Whole batches only, as on TensorFlow (drop_remainder): every step
     # splits evenly over the devices and the step is compiled once.
     # `fit` shuffles these examples each epoch.

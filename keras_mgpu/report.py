@@ -379,21 +379,17 @@ def plot_training_report(
     ax_lr.set_title("Learning rate")
     ax_lr.set_xlabel("epoch")
 
-    if _plot_lines(ax_mem, x, columns, panels["memory"]):
-        ax_mem.set_ylabel(_unit_label(panels["memory"], "memory"))
-        ax_mem.legend(fontsize=7)
-    else:
-        _empty(ax_mem, "no memory column\n(add keras_mgpu's MemoryMonitor)")
-    ax_mem.set_title("Memory")
-    ax_mem.set_xlabel("epoch")
-
-    if _plot_lines(ax_load, x, columns, panels["load"]):
-        ax_load.set_ylabel(_unit_label(panels["load"], "load"))
-        ax_load.legend(fontsize=7)
-    else:
-        _empty(ax_load, "no load column\n(add keras_mgpu's GPULoadMonitor)")
-    ax_load.set_title("Device load")
-    ax_load.set_xlabel("epoch")
+    for ax, what, title, monitor in (
+        (ax_mem, "memory", "Memory", "MemoryMonitor"),
+        (ax_load, "load", "Device load", "GPULoadMonitor"),
+    ):
+        if _plot_lines(ax, x, columns, panels[what]):
+            ax.set_ylabel(_unit_label(panels[what], what))
+            ax.legend(fontsize=7)
+        else:
+            _empty(ax, f"no {what} column\n(add keras_mgpu's {monitor})")
+        ax.set_title(title)
+        ax.set_xlabel("epoch")
 
     _integer_epochs([ax_loss, ax_lr, ax_mem, ax_load])
     if title:

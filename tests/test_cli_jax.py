@@ -11,10 +11,9 @@ import sys
 
 import pytest
 
-from keras_mgpu import cli
+from keras_mgpu import _components, cli
 from keras_mgpu import demo as demo_module
 from keras_mgpu.backend import BackendNotSupportedError
-from keras_mgpu.cli import _components
 from keras_mgpu.cli import info as cli_info
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -214,7 +214,7 @@ def probe_compiled(
     step to step."""
     from keras_mgpu.backend.jax import compiled_memory
     from keras_mgpu.backend.jax.distribution import data_parallel_size
-    from keras_mgpu.batch_size.finder import MB, BatchSizeResult, _explained
+    from keras_mgpu.batch_size.result import MB, BatchSizeResult, _explained
 
     distribution = check_distribution(strategy)
     replicas = data_parallel_size(distribution)

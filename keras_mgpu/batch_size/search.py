@@ -30,6 +30,10 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator
 
+# Raised by each backend's memory probe; defined in the backend layer, which
+# imports nothing above it.
+from keras_mgpu.backend.errors import OutOfMemory  # noqa: F401
+
 # The search stops when the bracket is at most this fraction of the batch
 # wide (and at least `multiple_of`): ~3%, one "probe step".
 RELATIVE_RESOLUTION = 1 / 32
@@ -42,11 +46,6 @@ DEFAULT_MAX_TRIALS = 16
 FIT_RANGE = 8
 # At most this many confirmation runs (each failure steps down once).
 CONFIRMATIONS = 3
-
-
-class OutOfMemory(Exception):
-    """The device ran out of memory during a training step (the step did
-    not fit, whatever the budget says)."""
 
 
 @dataclasses.dataclass(frozen=True)

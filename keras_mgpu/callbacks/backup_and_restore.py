@@ -927,9 +927,9 @@ def _gather_rows(strategy: Any, row: list[float]) -> Any:
     collective (TensorFlow: an all-reduce of `strategy`; JAX: an
     all-gather across `jax.distributed`'s processes)."""
     if is_jax():
-        from keras_mgpu.backend.jax.backup import gather_rows
+        from keras_mgpu.backend.jax.processes import allgather_rows
 
-        return gather_rows(row)
+        return allgather_rows(row)
     from keras_mgpu.distribute.collectives import gather_rows
 
     return gather_rows(strategy, row)

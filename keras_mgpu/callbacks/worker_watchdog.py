@@ -10,10 +10,11 @@ from typing import Any
 
 from keras_mgpu import backend
 from keras_mgpu._flavour import callback_bases
+from keras_mgpu._frames import frame_on_stack
 from keras_mgpu._validation import check_number
 from keras_mgpu.backend import require_backend
 from keras_mgpu.monitoring.notices import Notices
-from keras_mgpu.monitoring.sampler import _frame_on_stack, training_frame
+from keras_mgpu.monitoring.sampler import training_frame
 
 
 class WorkerWatchdog(*callback_bases()):
@@ -319,7 +320,7 @@ class _Run:
         """Whether the watched call has left its thread (it raised: Keras
         then calls no on_train_end / on_test_end / on_predict_end)."""
         frame = self._frame
-        return frame is not None and not _frame_on_stack(self._thread_id, frame)
+        return frame is not None and not frame_on_stack(self._thread_id, frame)
 
     def own_status(self, seq: int) -> dict:
         from keras_mgpu.distribute.worker_status import describe_frame

@@ -75,10 +75,9 @@ def _nvml_lines() -> list[str]:
 def _multi_worker_fit_state() -> str:
     import keras as keras3
 
-    from keras_mgpu.distribute import _keras_trainer_patch, multi_worker_fit
+    from keras_mgpu.distribute import multi_worker_fit
 
-    differences = _keras_trainer_patch.structure_differences()
-    if differences:
+    if multi_worker_fit.keras_code_differences():
         return (
             f"Keras {keras3.version()}'s trainer code differs from the code "
             "it was read from: it patches nothing and warns"
@@ -160,13 +159,13 @@ def jax_lines(components: list | None = None) -> list[str]:
     """What `info` prints on the JAX backend (TensorFlow is not imported).
 
     `components`: `(name, works, why not)` rows (default: read now by
-    constructing each component, `keras_mgpu.cli._components`).
+    constructing each component, `keras_mgpu._components`).
     """
     import jax
     import keras
 
     from keras_mgpu import __version__
-    from keras_mgpu.cli._components import (
+    from keras_mgpu._components import (
         FAILED,
         instead_of,
         support_table,

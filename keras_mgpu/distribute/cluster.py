@@ -264,13 +264,14 @@ def start_cluster(
     # srun -n 2 python train.py   (or KERAS_DISTRIBUTION_* / TF_CONFIG)
     import keras_mgpu
 
-    distribution = keras_mgpu.distribute.start_cluster(
-        auto_shard_dataset=False)
+    distribution = keras_mgpu.distribute.start_cluster()
     with distribution.scope():
         model = build_model()
         model.compile(...)
-        model.fit(keras_mgpu.distribute.shard_across_processes(
-            x, y, batch_size=64), epochs=2)
+        # A tf.data dataset of global batches: Keras shards it across the
+        # processes. NumPy arrays: see `shard_across_processes`.
+        model.fit(dataset, epochs=2)
+        model.evaluate(dataset)
     ```
     """
     require_backend(

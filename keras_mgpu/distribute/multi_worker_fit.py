@@ -118,6 +118,16 @@ def keras_version_is_tested(version: str) -> bool:
     return major_minor in TESTED_KERAS_VERSIONS
 
 
+def keras_code_differences() -> list[str]:
+    """What differs between the installed Keras's trainer code and the code
+    the fix was read from, one line per function; empty when it all
+    matches. Where it is not empty, `enable_multi_worker_fit()` patches
+    nothing and warns (what `keras-mgpu info` reports)."""
+    from keras_mgpu.distribute import _keras_trainer_patch
+
+    return _keras_trainer_patch.structure_differences()
+
+
 def multi_worker_fit_enabled() -> bool:
     """Whether `enable_multi_worker_fit()` is in effect in this process."""
     return bool(_ORIGINALS)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, Union
 
 from keras_mgpu._flavour import IS_TF_KERAS, check_flavour, keras
+from keras_mgpu._layer_calls import is_placed
 from keras_mgpu._validation import check_choice
 from keras_mgpu.backend import require_backend
 from keras_mgpu.layers import _rebuild
@@ -541,9 +542,7 @@ def _check_not_placed(model: Any) -> None:
     micro-batch split, stages and concatenation) in `RecomputeGrad`."""
     if IS_TF_KERAS:
         return  # Placement is Keras 3 only.
-    from keras_mgpu.placement.placed_layer import PlacedLayer
-
-    if any(isinstance(layer, PlacedLayer) for layer in _walk(model)):
+    if any(is_placed(layer) for layer in _walk(model)):
         raise ValueError(
             f"Model {model.name!r} is placed (`apply_placement`); a rebuild "
             "would wrap its placed layers, and a pipelined model's "

@@ -14,6 +14,7 @@ import types
 import weakref
 from collections.abc import Callable
 
+from keras_mgpu._frames import frame_on_stack
 from keras_mgpu._validation import check_number
 from keras_mgpu.monitoring.aggregate import Aggregator, Stats
 
@@ -51,16 +52,6 @@ def training_frame() -> types.FrameType | None:
             return frame
         frame = frame.f_back
     return None
-
-
-def _frame_on_stack(thread_id: int, frame: types.FrameType) -> bool:
-    """Whether `frame` is still executing on thread `thread_id`."""
-    top = sys._current_frames().get(thread_id)
-    while top is not None:
-        if top is frame:
-            return True
-        top = top.f_back
-    return False
 
 
 class Sampler:
@@ -171,7 +162,7 @@ class Sampler:
         try:
             next_reading = time.monotonic()
             while not stop_event.is_set():
-                if owner is not None and not _frame_on_stack(*owner):
+                if owner is not None and not frame_on_stack(*owner):
                     break  # the training run ended without on_train_end
                 now = time.monotonic()
                 if now >= next_reading:

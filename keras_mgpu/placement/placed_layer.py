@@ -104,6 +104,10 @@ class PlacedLayer(keras.layers.Layer):
     ```
     """
 
+    # `_layer_calls.PLACED_MARK`: how `apply_recompute` (in `layers`, below
+    # placement) recognises a placed layer without importing this class.
+    _keras_mgpu_placed = True
+
     def __init__(self, layer: Any, device: Any, **kwargs: Any) -> None:
         check_flavour(layer, "layer", "keras3")
         if not isinstance(layer, keras.layers.Layer):

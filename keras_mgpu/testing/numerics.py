@@ -143,26 +143,7 @@ def _train(
     tf.random.set_seed(seed)
     with strategy.scope():
         model = model_fn()
-    if initial is not None:
-        model.set_weights(initial)
-    start = [np.array(w) for w in model.get_weights()]
-    x, y = data[0], data[1]
-    weights = data[2] if len(data) > 2 else None
-    model.fit(
-        x,
-        y,
-        sample_weight=weights,
-        batch_size=batch_size,
-        steps_per_epoch=steps,
-        epochs=epochs,
-        shuffle=False,
-        verbose=0,
-    )
-    return {
-        "initial": start,
-        "weights": [np.array(w) for w in model.get_weights()],
-        "paths": [getattr(w, "path", w.name) for w in model.weights],
-    }
+    return _fit(model, initial, data, batch_size, steps, epochs)
 
 
 def _train_jax(
@@ -172,25 +153,31 @@ def _train_jax(
     from keras_mgpu.testing.seeds import set_random_seed
 
     set_random_seed(seed)
-    x, y = data[0], data[1]
-    weights = data[2] if len(data) > 2 else None
     with distribution.scope():
         model = model_fn()
-        if initial is not None:
-            model.set_weights(initial)
-        start = [np.array(w) for w in model.get_weights()]
-        model.fit(
-            x,
-            y,
-            sample_weight=weights,
-            batch_size=batch_size,
-            steps_per_epoch=steps,
-            epochs=epochs,
-            shuffle=False,
-            verbose=0,
-        )
+        return _fit(model, initial, data, batch_size, steps, epochs)
+
+
+def _fit(model, initial, data, batch_size, steps, epochs) -> dict:
+    """Both backends' `_train` once the model is built: start from
+    `initial` (when given), `fit` on `data` = `(x, y[, sample_weight])` in
+    order (no shuffle); the weights before and after, and their paths."""
+    if initial is not None:
+        model.set_weights(initial)
+    start = [np.array(w) for w in model.get_weights()]
+    model.fit(
+        data[0],
+        data[1],
+        sample_weight=data[2] if len(data) > 2 else None,
+        batch_size=batch_size,
+        steps_per_epoch=steps,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+    )
     return {
         "initial": start,
         "weights": [np.array(w) for w in model.get_weights()],
-        "paths": [w.path for w in model.weights],
+        # tf_keras's variables have no `path`.
+        "paths": [getattr(w, "path", w.name) for w in model.weights],
     }

@@ -155,20 +155,8 @@ def run_workers(
     """
     backend = _worker_backend()
     target = _target_of(fn)
-    for name, value, low in (
-        ("num_workers", num_workers, 1),
-        ("cpu_devices", cpu_devices, 1),
-    ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(
-                f"Argument `{name}` must be an integer >= {low}. "
-                f"Received: {name}={value!r}"
-            )
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(
-            f"Argument `timeout` must be a number > 0. Received: "
-            f"timeout={timeout!r}"
-        )
+    _check_sizes(num_workers=num_workers, cpu_devices=cpu_devices)
+    _check_timeout(timeout)
     if backend == "jax":
         if chief:
             raise ValueError(
@@ -178,7 +166,7 @@ def run_workers(
             )
         envs = jax_cluster_envs(num_workers)
         for cluster_env in envs:
-            cluster_env["XLA_FLAGS"] = _with_device_count(
+            cluster_env["XLA_FLAGS"] = with_device_count(
                 (env or {}).get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")),
                 cpu_devices,
             )
@@ -192,6 +180,110 @@ def run_workers(
     ) as (workdir, procs, logs):
         _wait(procs, logs, timeout, target)
         return [_result(workdir, i, logs) for i in range(len(procs))]
+
+
+def run_jax_cluster(
+    fn: Callable | str,
+    num_processes: int,
+    *args: Any,
+    timeout: float,
+    cpu_devices: int = 2,
+    may_hang: tuple[int, ...] = (),
+) -> list[dict[str, Any]]:
+    """`run_workers` for tests of failures, on a JAX cluster whose
+    processes may die (a watchdog ends them with status 75, JAX aborts
+    them, a test SIGKILLs one): a failed process does not stop the others.
+
+    Runs `fn(*args)` in every process of a fresh `jax.distributed` cluster
+    on 127.0.0.1 (as `run_workers` does with `KERAS_BACKEND=jax`), waits
+    until every process ended, those in `may_hang` not waited for once
+    the others ended (a frozen process), or `timeout` passed; then kills
+    what still runs and deletes the folder, as `run_workers` does.
+
+    Args:
+        fn: an importable top-level function, or "module:function".
+        num_processes: int >= 1, processes in the cluster.
+        *args: picklable arguments passed to `fn` in every process.
+        timeout: float > 0, seconds for the whole cluster.
+        cpu_devices: int >= 1, JAX CPU devices per process. Defaults to 2.
+        may_hang: indices of processes not waited for once the others
+            ended.
+
+    Returns:
+        One dict per process, in order: `returncode` (None: it was still
+        running, then killed), `ended_at` (`time.time()` when it was seen
+        to end, or None), `output` (its stdout and stderr) and `result`
+        (what `fn` returned, None when it did not return).
+
+    Example:
+
+    ```python
+    runs = run_jax_cluster("bodies:kill_one", 2, timeout=60, may_hang=(1,))
+    assert runs[0]["returncode"] == 75  # the watchdog ended it
+    ```
+    """
+    target = _target_of(fn)
+    _check_sizes(num_processes=num_processes, cpu_devices=cpu_devices)
+    _check_timeout(timeout)
+    envs = jax_cluster_envs(num_processes)
+    for env in envs:
+        env["XLA_FLAGS"] = with_device_count(
+            os.environ.get("XLA_FLAGS", ""), cpu_devices
+        )
+    with started_processes(
+        target, envs, args, None, cpu_devices, "jax", timeout
+    ) as (workdir, procs, logs):
+        ended = _wait_for_ends(procs, timeout, may_hang)
+        outputs = _outputs(logs)
+        results = []
+        for index, proc in enumerate(procs):
+            path = os.path.join(workdir, f"result_{index}.pkl")
+            result = None
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    result = pickle.load(f)
+            results.append(
+                {
+                    "returncode": proc.returncode if ended[index] else None,
+                    "ended_at": ended[index],
+                    "output": outputs[index],
+                    "result": result,
+                }
+            )
+        return results
+
+
+def _wait_for_ends(procs, timeout, may_hang) -> list[float | None]:
+    """Each process's end (`time.time()`), None for one still running
+    when the others in `procs` but `may_hang` ended or `timeout` passed."""
+    ended: list[float | None] = [None] * len(procs)
+    deadline = time.monotonic() + timeout
+    awaited = [i for i in range(len(procs)) if i not in may_hang]
+    while time.monotonic() < deadline:
+        if all(ended[i] is not None for i in awaited):
+            break
+        for index, proc in enumerate(procs):
+            if ended[index] is None and proc.poll() is not None:
+                ended[index] = time.time()
+        time.sleep(0.02)
+    return ended
+
+
+def _check_sizes(**sizes: Any) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(
+                f"Argument `{name}` must be an integer >= 1. "
+                f"Received: {name}={value!r}"
+            )
+
+
+def _check_timeout(timeout: Any) -> None:
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(
+            f"Argument `timeout` must be a number > 0. Received: "
+            f"timeout={timeout!r}"
+        )
 
 
 @contextlib.contextmanager
@@ -259,7 +351,9 @@ def jax_cluster_envs(num_processes: int) -> list[dict[str, str]]:
     ]
 
 
-def _with_device_count(flags: str, count: int) -> str:
+def with_device_count(flags: str, count: int) -> str:
+    """`flags` (an `XLA_FLAGS` value) asking JAX for `count` CPU devices
+    (`--xla_force_host_platform_device_count`, replacing any such flag)."""
     import re
 
     flag = "--xla_force_host_platform_device_count"

@@ -241,11 +241,10 @@ def test_process_rows_travel_exactly(monkeypatch):
     bounded."""
     import jax
 
-    from keras_mgpu.backend.jax import backup, kv_store, processes
+    from keras_mgpu.backend.jax import kv_store, processes
 
-    assert backup.gather_rows is processes.allgather_rows  # one exchange
     row = [1.0, float(2**48 - 1), 0.1, -3.5e300]
-    assert backup.gather_rows(row).tolist() == [row]  # one process
+    assert processes.allgather_rows(row).tolist() == [row]  # one process
 
     class Store:  # jax.distributed's client, holding process 1's rows
         def __init__(self):
@@ -272,7 +271,7 @@ def test_process_rows_travel_exactly(monkeypatch):
     monkeypatch.setattr(jax, "process_index", lambda: 0)
     first = next(processes._CALLS) + 1  # other tests' exchanges went before
     for _ in range(3):
-        gathered = backup.gather_rows(row)
+        gathered = processes.allgather_rows(row)
         assert gathered.dtype == np.float64
         assert gathered.tolist() == [row, row[::-1]]
     # 3 exchanges x 2 processes, less this process's key of the first
@@ -305,7 +304,7 @@ def test_sharded_state_is_named():
 
 
 def test_split_state_is_refused_before_any_collective(monkeypatch, tmp_path):
-    from keras_mgpu.backend.jax import backup
+    from keras_mgpu.backend.jax import backup, processes
     from keras_mgpu.distribute import strategy
 
     calls = []
@@ -313,7 +312,7 @@ def test_split_state_is_refused_before_any_collective(monkeypatch, tmp_path):
     monkeypatch.setattr(
         backup, "sharded_variables", lambda v: ["dense/kernel"] * 4
     )
-    monkeypatch.setattr(backup, "gather_rows", calls.append)
+    monkeypatch.setattr(processes, "allgather_rows", calls.append)
     with pytest.raises(
         ValueError,
         match=r"needs every variable replicated on every device \(a "

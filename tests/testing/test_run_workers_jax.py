@@ -171,3 +171,19 @@ def test_pytest_timeout_thread_method_leaves_no_worker_and_no_folder(
     output, _ = proc.communicate(timeout=120)
     assert "Timeout" in output, output
     _assert_nothing_left(tmp, piddir)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_processes": 0}, r"`num_processes` must be an integer >= 1\. "),
+        ({"cpu_devices": True}, r"Received: cpu_devices=True"),
+        ({"timeout": 0}, r"`timeout` must be a number > 0\. Received: "),
+    ],
+)
+def test_run_jax_cluster_refuses_bad_arguments_before_starting(kwargs, match):
+    from keras_mgpu.testing.workers import run_jax_cluster
+
+    arguments = {"num_processes": 2, "timeout": 10, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        run_jax_cluster("os:getpid", **arguments)

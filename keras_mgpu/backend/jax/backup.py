@@ -1,6 +1,7 @@
-"""What `BackupAndRestore` needs from JAX across processes: an exact
-gather of small rows (the processes' agreement on a backup) and the
-check that the training state is replicated.
+"""What `BackupAndRestore` needs from JAX across processes besides the
+exact gather of small rows (the processes' agreement on a backup:
+`processes.allgather_rows`): the check that the training state is
+replicated.
 
 Under `keras.distribution.DataParallel` every variable is replicated on
 every device of every process: process 0 holds the whole state and writes
@@ -18,14 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# The processes' rows are exchanged with `processes.allgather_rows` (JAX's
-# distributed key-value store; exact, no XLA collective).
-from keras_mgpu.backend.jax.processes import (
-    allgather_rows as gather_rows,
-)
-from keras_mgpu.backend.jax.processes import several_processes
-
-__all__ = ["gather_rows", "several_processes", "sharded_variables"]
+__all__ = ["sharded_variables"]
 
 
 def sharded_variables(variables: Any) -> list[str]:

@@ -58,7 +58,7 @@ def agree_on_seed() -> int:
         return seed
     from jax.experimental import multihost_utils
 
-    from keras_mgpu.testing.seeds import set_random_seed
+    from keras_mgpu.backend.seeds import set_random_seed
 
     draw = np.asarray(np.random.randint(0, 2**31 - 1), dtype=np.int32)
     seed = int(multihost_utils.broadcast_one_to_all(draw))

@@ -129,8 +129,8 @@ class StepMemory:
     def confirm(self, batch_size: int) -> float:
         """Run `CONFIRM_STEPS` steps of `fit` on the copy at `batch_size`
         per replica; the last step's seconds. An out-of-memory error of
-        XLA becomes `search.OutOfMemory`."""
-        from keras_mgpu.batch_size.search import OutOfMemory
+        XLA becomes `backend.errors.OutOfMemory`."""
+        from keras_mgpu.backend.errors import OutOfMemory
 
         keras = self.blueprint._keras
         global_batch = batch_size * self.data_parallel

@@ -68,14 +68,14 @@ class StepTimer:
 
         import jax
 
-        from keras_mgpu.monitoring.sampler import _frame_on_stack
+        from keras_mgpu._frames import frame_on_stack
 
         timer = self
         thread = threading.get_ident()
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if timer.active and watch_frame is not None:
-                if not _frame_on_stack(thread, watch_frame):
+                if not frame_on_stack(thread, watch_frame):
                     timer.active = False
                     uninstall(model)
             if not timer.active:
