@@ -33,9 +33,6 @@ KNOWN_UNTIL_MERGE = {
         "keras_mgpu.optimizers._accumulation_common",
     ),
     ("keras_mgpu.optimizers._accumulation_common", "keras_mgpu.optimizers"),
-    # Branch `recompute`: the JAX recompute body and the recompute engine
-    # of `layers` import each other.
-    ("keras_mgpu.backend.jax.recompute", "keras_mgpu.layers._recompute_engine"),
 }
 
 # The top layers may use these private modules of lower layers.
