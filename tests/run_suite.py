@@ -11,18 +11,26 @@ The Keras flavour is fixed per process, so the tf_keras tests
 (`tests/legacy`) run in a pytest process of their own with
 `TF_USE_LEGACY_KERAS=1`. Each run spreads its test files over two
 pytest-xdist processes (`--dist loadfile`: a module's tests, and the
-multi-worker cluster its module fixture starts, stay in one process):
-the tests are mostly single-threaded Python, so on two cores two processes
-take about two thirds of the time (Keras 3 tests: 29 min serial, 19 min).
-Extra arguments are passed to both pytest runs (`-n 0` runs everything in
-one process; KERAS_MGPU_TEST_WORKERS sets the number of processes).
+multi-worker cluster its module fixture starts, stay in one process),
+which take the longest modules first (`tests/_suite_order.py`): the run
+ends when the process with the last module ends, so a 4-minute module
+(the examples) must not be the last one. Extra arguments are passed to
+every pytest run (`-n 0` runs everything in one process;
+KERAS_MGPU_TEST_WORKERS sets the number of processes).
+
+CI (`.ci/run`, 2 cores) on e30831c took 38.3 min: Keras 3 on TensorFlow
+1674 tests in 26m46s, JAX 354 in 4m03s, tf_keras 117 in 2m03s, the oldest
+floors ~3 min with their install, and the `.venv` install. Each run prints
+its slowest modules at its end (where the budget goes; the figures of
+`tests/_suite_order.py` come from there).
 
 A third, smaller run checks the oldest TensorFlow and Keras that
 pyproject.toml accepts (its `tensorflow>=` and `keras>=` floors, installed
 exactly): a virtual environment of its own, `.venv-oldest` in the repository
-root, installed with a time bound, runs `OLDEST_TESTS` (the code that
-depends most on Keras internals: multi-worker `fit`, the optimizers, the
-schedules, BatchNormalization's window statistics).
+root, installed with a time bound (in the background from the start, beside
+the Keras 3 tests: mostly download and disk), runs `OLDEST_TESTS` (the code
+that depends most on Keras internals: multi-worker `fit`, the optimizers,
+the schedules, BatchNormalization's window statistics).
 KERAS_MGPU_SKIP_OLDEST=1 skips it (for a quick local run).
 
 `--quick` is the everyday tier: the Keras 3 tests not marked `slow`, less
