@@ -44,11 +44,13 @@ MODULE_SECONDS = {
     "tests/test_docs.py": 60,
     "tests/test_release.py": 60,
     "tests/compression/test_multi_worker_compression.py": 40,
+    "tests/batch_size/test_multi_worker.py": 30,
     # Keras 3 on JAX
     "tests/distribute/test_fault_matrix_jax.py": 200,
     "tests/distribute/test_jax_cluster_example_jax.py": 40,
     "tests/test_examples_jax.py": 40,
     # tf_keras
+    "tests/legacy/test_worker_failures.py": 50,  # kill, then restart
     "tests/legacy/test_tfmot.py": 40,
 }
 SLOW_TEST_SECONDS = 10
