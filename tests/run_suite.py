@@ -11,18 +11,26 @@ The Keras flavour is fixed per process, so the tf_keras tests
 (`tests/legacy`) run in a pytest process of their own with
 `TF_USE_LEGACY_KERAS=1`. Each run spreads its test files over two
 pytest-xdist processes (`--dist loadfile`: a module's tests, and the
-multi-worker cluster its module fixture starts, stay in one process):
-the tests are mostly single-threaded Python, so on two cores two processes
-take about two thirds of the time (Keras 3 tests: 29 min serial, 19 min).
-Extra arguments are passed to both pytest runs (`-n 0` runs everything in
-one process; KERAS_MGPU_TEST_WORKERS sets the number of processes).
+multi-worker cluster its module fixture starts, stay in one process),
+which take the longest modules first (`tests/_suite_order.py`): the run
+ends when the process with the last module ends, so a 4-minute module
+(the examples) must not be the last one. Extra arguments are passed to
+every pytest run (`-n 0` runs everything in one process;
+KERAS_MGPU_TEST_WORKERS sets the number of processes).
+
+CI (`.ci/run`, 2 cores) on e30831c took 38.3 min: Keras 3 on TensorFlow
+1674 tests in 26m46s, JAX 354 in 4m03s, tf_keras 117 in 2m03s, the oldest
+floors ~3 min with their install, and the `.venv` install. Each run prints
+its slowest modules at its end (where the budget goes; the figures of
+`tests/_suite_order.py` come from there).
 
 A third, smaller run checks the oldest TensorFlow and Keras that
 pyproject.toml accepts (its `tensorflow>=` and `keras>=` floors, installed
 exactly): a virtual environment of its own, `.venv-oldest` in the repository
-root, installed with a time bound, runs `OLDEST_TESTS` (the code that
-depends most on Keras internals: multi-worker `fit`, the optimizers, the
-schedules, BatchNormalization's window statistics).
+root, installed with a time bound (in the background from the start, beside
+the Keras 3 tests: mostly download and disk), runs `OLDEST_TESTS` (the code
+that depends most on Keras internals: multi-worker `fit`, the optimizers,
+the schedules, BatchNormalization's window statistics).
 KERAS_MGPU_SKIP_OLDEST=1 skips it (for a quick local run).
 
 `--quick` is the everyday tier: the Keras 3 tests not marked `slow`, less
@@ -44,6 +52,7 @@ any run failed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import subprocess
@@ -115,6 +124,9 @@ def _run(
         WORKERS,
         "--dist",
         "loadfile",
+        # The longest modules first (tests/_suite_order.py).
+        "-p",
+        "tests._suite_order",
         f"--junitxml={junit}",
         *_pytest_arguments(),
     ]
@@ -139,45 +151,62 @@ def oldest_pins() -> list[str]:
     return pins
 
 
-def _oldest_venv() -> str | None:
-    """Create or update `.venv-oldest` on the floors; its python, or None
-    when the install failed or ran past OLDEST_INSTALL_TIMEOUT."""
+def _pip(python: str, *arguments: str, timeout: float) -> None:
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", *arguments],
+        check=True,
+        timeout=max(timeout, 1),
+        capture_output=True,
+        text=True,
+    )
+
+
+def _oldest_venv(editable: bool) -> tuple[str | None, str]:
+    """Create or update `.venv-oldest` on the floors: its python (None when
+    the install failed or ran past OLDEST_INSTALL_TIMEOUT) and what to
+    print about it.
+
+    In two parts: the floors and pytest (`editable=False`: downloads and
+    disk, run in the background beside the Keras 3 tests, see `main`),
+    then keras_mgpu itself (`editable=True`: a few seconds, when the run
+    comes; its build writes `keras_mgpu.egg-info` into the repository,
+    which tests/test_release.py's build also writes)."""
     python = os.path.join(OLDEST_VENV, "bin", "python")
     pins = oldest_pins()
     start = time.monotonic()
     try:
-        if not os.path.exists(python):
-            subprocess.run(
-                [sys.executable, "-m", "venv", OLDEST_VENV],
-                check=True,
-                timeout=120,
-            )
-        subprocess.run(
-            [
+        if not editable:
+            if not os.path.exists(python):
+                subprocess.run(
+                    [sys.executable, "-m", "venv", OLDEST_VENV],
+                    check=True,
+                    timeout=120,
+                    capture_output=True,
+                    text=True,
+                )
+            _pip(
                 python,
-                "-m",
-                "pip",
-                "install",
-                "-q",
                 *pins,
-                "-e",
-                REPO_ROOT,
                 "pytest>=8",
                 "pytest-timeout>=2.2",
                 "pytest-xdist>=3.5",
-            ],
-            check=True,
-            timeout=OLDEST_INSTALL_TIMEOUT,
-        )
+                timeout=OLDEST_INSTALL_TIMEOUT,
+            )
+        else:
+            # The floors are installed: only keras_mgpu and what else it
+            # needs (the pins again, so nothing moves them).
+            _pip(python, *pins, "-e", REPO_ROOT, timeout=300)
     except (subprocess.SubprocessError, OSError) as exc:
-        print(f"== oldest: install of {pins} failed: {exc}", flush=True)
-        return None
-    print(
-        f"== oldest: {' '.join(pins)} installed in "
-        f"{time.monotonic() - start:.0f} s",
-        flush=True,
+        output = getattr(exc, "stderr", None) or ""
+        if isinstance(output, bytes):
+            output = output.decode(errors="replace")
+        return None, (
+            f"== oldest: install of {pins} failed: {exc}\n{output[-3000:]}"
+        ).rstrip()
+    part = "keras_mgpu" if editable else " ".join(pins)
+    return python, (
+        f"== oldest: {part} installed in {time.monotonic() - start:.0f} s"
     )
-    return python
 
 
 NIGHTLY_VENV = os.path.join(REPO_ROOT, ".venv-nightly")
@@ -339,12 +368,27 @@ def main() -> int:
         runs = [
             run for run in runs if (run[0] == "jax") == (BACKEND_ASKED == "jax")
         ]
+    # The oldest floors' install is mostly download and disk: it runs in
+    # the background from the start, beside the Keras 3 tests, and is
+    # waited for only when its run comes (bounded by its own time-out).
+    oldest = None
+    if any(label == "oldest" for label, _, _ in runs):
+        oldest = concurrent.futures.ThreadPoolExecutor(1).submit(
+            _oldest_venv, editable=False
+        )
     failed_runs = 0
     total = {"passed": 0, "failed": 0, "skipped": 0}
     for label, env, paths in runs:
         python = sys.executable
-        if label in ("oldest", "nightly"):  # in an environment of its own
-            python = _oldest_venv() if label == "oldest" else _nightly_venv()
+        if label == "oldest":  # in an environment of its own
+            python, message = oldest.result()
+            print(message, flush=True)
+            if python is not None:
+                python, message = _oldest_venv(editable=True)
+                print(message, flush=True)
+        elif label == "nightly":
+            python = _nightly_venv()
+        if label in ("oldest", "nightly"):
             if python is None:
                 failed_runs += 1
                 total["failed"] += 1

@@ -1,0 +1,88 @@
+"""The order in which tests/run_suite.py's pytest-xdist processes take the
+test modules: the longest first.
+
+`--dist loadfile` hands a process a whole module at a time, and by default
+pytest-xdist (3.6 and later) queues the modules by their number of tests,
+most first. Our slowest modules have few tests (the examples, the batch
+finder's fresh processes, the fault matrices, a cluster per module), so
+they came last, and one process ran a 2- to 4-minute module alone while the
+other had nothing left. Taking the longest first (the LPT rule) leaves the
+short modules for the end, where the two processes finish within a short
+module of each other.
+
+A module's cost is its entry in `MODULE_SECONDS` where it has one (the
+seconds its tests took in CI, setup included: what the "slowest modules"
+lines of each run print), else `SLOW_TEST_SECONDS` per test marked `slow`
+plus `TEST_SECONDS` per other test. Only the order changes: every test
+still runs, its module's tests in their own order in one process.
+
+tests/run_suite.py loads this plugin (`-p tests._suite_order`); a plain
+`pytest` run does not.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# Seconds per module summed over its tests (setup included) on the loaded
+# 2-core CI machine: stop 34's "slowest modules" lines (examples 271, the
+# finder 247 less the ~50 of its bisection removed since, the TensorFlow
+# fault matrix 159, compression 154 of which the cluster module ~40, the
+# JAX fault matrix ~90); the rest estimated from single-module runs and
+# what the modules start (processes, clusters, Keras's replayed cases).
+# Order only: a stale figure costs a little balance, never a test.
+MODULE_SECONDS = {
+    # Keras 3 on TensorFlow
+    "tests/test_examples.py": 270,
+    "tests/batch_size/test_finder.py": 200,
+    "tests/distribute/test_fault_matrix.py": 160,
+    "tests/compression/test_optimizer_compression.py": 110,
+    "tests/optimizers/test_keras_oracles.py": 100,
+    "tests/test_cli.py": 90,
+    "tests/distribute/test_multi_worker_fit.py": 90,
+    "tests/layers/test_recompute_keras_hub.py": 80,
+    "tests/test_docs.py": 60,
+    "tests/test_release.py": 60,
+    "tests/compression/test_multi_worker_compression.py": 40,
+    "tests/batch_size/test_multi_worker.py": 30,
+    # Keras 3 on JAX
+    "tests/distribute/test_fault_matrix_jax.py": 200,
+    "tests/distribute/test_jax_cluster_example_jax.py": 40,
+    "tests/test_examples_jax.py": 40,
+    # tf_keras
+    "tests/legacy/test_worker_failures.py": 50,  # kill, then restart
+    "tests/legacy/test_tfmot.py": 40,
+}
+SLOW_TEST_SECONDS = 10
+TEST_SECONDS = 1
+
+
+def module_cost(module: str, tests: int, slow_tests: int) -> float:
+    """The seconds a module is expected to take (see the module docstring)."""
+    if module in MODULE_SECONDS:
+        return MODULE_SECONDS[module]
+    return SLOW_TEST_SECONDS * slow_tests + TEST_SECONDS * (tests - slow_tests)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's own reordering (by number of tests) would undo ours.
+    if getattr(config.option, "loadscopereorder", None) is not None:
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Modules by expected cost, most first; each module's tests together
+    and in their order (a stable sort)."""
+    tests: dict[str, int] = {}
+    slow: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        tests[module] = tests.get(module, 0) + 1
+        slow[module] = slow.get(module, 0) + (
+            item.get_closest_marker("slow") is not None
+        )
+    cost = {m: module_cost(m, tests[m], slow[m]) for m in tests}
+    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])
