@@ -459,14 +459,14 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             if self._private_dir is None:
                 self._private_dir = tempfile.mkdtemp(prefix="keras_mgpu_bkp_")
             path = os.path.join(self._private_dir, name)
-            self.model.save_weights(path, overwrite=True)
+            self._save_weights(path)
             self._test_kill("weights_partial", path)
             self._test_kill("weights_written")
             os.remove(path)
             return
         _gfile(self.backup_dir).makedirs(self.backup_dir)
         path = os.path.join(self.backup_dir, name)
-        self.model.save_weights(path, overwrite=True)
+        self._save_weights(path)
         self._test_kill("weights_partial", path)
         _fsync(path)
         self._test_kill("weights_written")
@@ -838,13 +838,24 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
 
     def _load(self, candidate: dict) -> str | None:
         """Load one backup; the reason it failed, or None."""
+        from keras_mgpu.schedules._optimizer_lr import hidden_state
+
         try:
-            self.model.load_weights(
-                os.path.join(self.backup_dir, candidate["weights"])
-            )
+            with hidden_state(self.model):
+                self.model.load_weights(
+                    os.path.join(self.backup_dir, candidate["weights"])
+                )
         except Exception as exc:  # reported to every worker, then raised
             return f"{type(exc).__name__}: {exc}"
         return None
+
+    def _save_weights(self, path: str) -> None:
+        from keras_mgpu.schedules._optimizer_lr import hidden_state
+
+        # The optimizer's variables as Keras made them: on JAX our LR
+        # callbacks add theirs for the `fit` (see `hidden_state`).
+        with hidden_state(self.model):
+            self.model.save_weights(path, overwrite=True)
 
     def _resume_at(self, candidate: dict) -> None:
         epoch = int(candidate["epoch"])

@@ -38,8 +38,11 @@ class LearningRateWarmup(*callback_bases()):
     `iterations` count updates).
 
     At `on_train_end` the original learning-rate object is put back, so
-    `model.save()` writes a clean optimizer config. A second `fit` with this
-    callback reuses the traced train function (no retrace).
+    `model.save()` writes a clean optimizer config. A later `fit` with this
+    callback, or with a new `LearningRateWarmup` of the same `ramp` and
+    other numbers, reuses the traced train function (no retrace on
+    TensorFlow, no compilation on JAX): the ramp's length and start live in
+    variables the step reads, not in the trace.
 
     **Other LR callbacks.** `ReduceLROnPlateau` and `LearningRateScheduler`
     assign `optimizer.learning_rate`: the assignment sets the target the
@@ -161,7 +164,12 @@ class LearningRateWarmup(*callback_bases()):
             _optimizer_lr.set_lr_object(owner, wrapper)
         else:
             self._wrapper = _optimizer_lr.WarmupWrapper(
-                owner, top, steps, self.initial_learning_rate, self.ramp
+                owner,
+                top,
+                steps,
+                self.initial_learning_rate,
+                self.ramp,
+                model=self.model,
             )
             _optimizer_lr.set_lr_object(owner, self._wrapper)
         _optimizer_lr.activate(self.model)
