@@ -168,6 +168,10 @@ class LearningRateScaler(*callback_bases()):
             )
         return int(batch) * accumulation_steps_of(optimizer)
 
+    def set_model(self, model) -> None:
+        super().set_model(model)
+        _optimizer_lr.prepare(model, "scale")
+
     def on_train_begin(self, logs: dict | None = None) -> None:
         examples = self._examples_per_update()
         factor = scaling_factor(

@@ -42,7 +42,13 @@ class LearningRateWarmup(*callback_bases()):
     callback, or with a new `LearningRateWarmup` of the same `ramp` and
     other numbers, reuses the traced train function (no retrace on
     TensorFlow, no compilation on JAX): the ramp's length and start live in
-    variables the step reads, not in the trace.
+    variables the step reads, not in the trace. On JAX those variables are
+    optimizer state during `fit` (a jitted step reads nothing else), so a
+    checkpoint Keras's own callbacks write *during* such a `fit`
+    (`ModelCheckpoint`, Keras's `BackupAndRestore`) holds two (with
+    `LearningRateScaler`, three) optimizer variables more than the
+    optimizer has outside it; `keras_mgpu.callbacks.BackupAndRestore` and
+    `model.save` after `fit` write the optimizer as Keras made it.
 
     **Other LR callbacks.** `ReduceLROnPlateau` and `LearningRateScheduler`
     assign `optimizer.learning_rate`: the assignment sets the target the
@@ -133,6 +139,10 @@ class LearningRateWarmup(*callback_bases()):
                 "`warmup_steps`."
             )
         return max(1, math.ceil(self.warmup_epochs * per_epoch))
+
+    def set_model(self, model) -> None:
+        super().set_model(model)
+        _optimizer_lr.prepare(model, "warmup")
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         steps = self._resolve_steps()

@@ -31,8 +31,9 @@ state (`stateless_apply`); reading them there yields the traced values, so
 the ramp follows the counter of every step and an assignment made between
 epochs (`ReduceLROnPlateau`) reaches the next step through the state `fit`
 reads back from the variables. The wrappers' own variables join the
-optimizer's variable list for the `fit` (`activate`; a JAX step sees only
-its state) and leave it at train end, so saved optimizers stay as Keras
+optimizer's variable list for the `fit` (`prepare` at the callbacks'
+`set_model`, `activate`; a JAX step sees only its state) and leave it at
+train end, so saved optimizers stay as Keras
 makes them; `hidden_state` takes them out around a save or load made
 during `fit` (BackupAndRestore). On TensorFlow a traced function reads a
 variable by reference: they never join the list there.
@@ -317,8 +318,12 @@ class ScaleWrapper(LearningRateWrapper):
         self.factor = float(factor)
         self.index = _depth(inner, ScaleWrapper)
         self.state = state_slot(
-            owner, "scale", self.index, {"factor": _float_dtype()}, model
+            owner, "scale", self.index, self.state_names(), model
         )
+
+    @staticmethod
+    def state_names() -> dict[str, str]:
+        return {"factor": _float_dtype()}
 
     def signature(self) -> tuple:
         return ("scale", self.index)
@@ -354,15 +359,15 @@ class WarmupWrapper(LearningRateWrapper):
         # The ramp's kind shapes the graph (a trace per kind); its length
         # and start are numbers in variables.
         self.state = state_slot(
-            owner,
-            "warmup",
-            self.index,
-            {
-                "steps": "int32" if not TF_RUNS else "int64",
-                "initial": _float_dtype(),
-            },
-            model,
+            owner, "warmup", self.index, self.state_names(), model
         )
+
+    @staticmethod
+    def state_names() -> dict[str, str]:
+        return {
+            "steps": "int64" if TF_RUNS else "int32",
+            "initial": _float_dtype(),
+        }
 
     def signature(self) -> tuple:
         return ("warmup", self.index, self.ramp)
@@ -513,6 +518,23 @@ def activate(model: Any) -> None:
     else:
         retrace(model)
         cache.ours = [*cache.ours, model.train_function][-_CACHE_SIZE:]
+
+
+def prepare(model: Any, kind: str) -> None:
+    """JAX, at a callback's `set_model` (before any `on_train_begin`): the
+    variables of the wrapper `kind` ("scale", "warmup") will install join
+    the optimizer's list now, so that a backup Keras's own
+    `BackupAndRestore` restores at `on_train_begin`, whatever the order of
+    the callbacks, meets the variable list it was saved with (our
+    `BackupAndRestore` saves without them, see `hidden_state`)."""
+    optimizer = getattr(model, "optimizer", None)
+    if TF_RUNS or optimizer is None:
+        return
+    owner = lr_owner(optimizer)
+    wrapper = {"scale": ScaleWrapper, "warmup": WarmupWrapper}[kind]
+    index = _depth(get_lr_object(owner), wrapper)
+    state_slot(owner, kind, index, wrapper.state_names(), model)
+    _join_optimizer_variables(owner)
 
 
 def _join_optimizer_variables(owner: Any) -> None:
