@@ -13,6 +13,7 @@ event.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import keras
 import numpy as np
@@ -172,3 +173,54 @@ def _model_variables(model) -> list:
     fresh = _model()
     fresh.optimizer.build(fresh.trainable_variables)
     return fresh.optimizer.variables
+
+
+def check_resume_with_backup(tmp_path, backup_first: bool) -> None:
+    """keras_mgpu's BackupAndRestore with a warmup, in either order: a run
+    interrupted after epoch 0 resumes exactly (the ramp continues from the
+    restored counter), and the backup holds the optimizer as Keras makes
+    it (on JAX the ramp's variables are optimizer state during `fit`)."""
+    from keras_mgpu.callbacks import BackupAndRestore
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("interrupted")
+
+    def run(epochs, extra):
+        model = _model()
+        backup = BackupAndRestore(str(tmp_path / "backup"))
+        warmup = LearningRateWarmup(warmup_steps=6)
+        callbacks = [backup, warmup] if backup_first else [warmup, backup]
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(STEPS * BATCH, 3)).astype("float32")
+        model.fit(
+            x,
+            x[:, :1],
+            batch_size=BATCH,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            callbacks=[*callbacks, *extra],
+        )
+        return model
+
+    try:
+        run(2, [Interrupt()])
+    except RuntimeError as error:
+        assert "interrupted" in str(error)
+    # The backup loads into a plain model, optimizer state included.
+    (saved,) = (tmp_path / "backup").glob("*.weights.h5")
+    plain = _model()
+    plain.optimizer.build(plain.trainable_variables)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain.load_weights(str(saved))
+    assert not [w for w in caught if "Skipping" in str(w.message)]
+    assert int(np.asarray(plain.optimizer.iterations.value)) == STEPS
+    model = run(2, [])
+    expected = [expected_warmup(n, 6, 0.0, TARGET, "linear") for n in range(8)]
+    np.testing.assert_allclose(
+        model.optimizer.recorded(), expected, rtol=1e-6, atol=1e-9
+    )
+    assert len(model.optimizer.variables) == len(_model_variables(model))
