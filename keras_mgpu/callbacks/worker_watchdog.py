@@ -258,8 +258,10 @@ class WorkerWatchdog(*callback_bases()):
         # Under Keras's asynchronous dispatch (JAX) this end hook runs on
         # Keras's dispatch thread once the step's results are ready, maybe
         # after the next step began: it ends only the step it belongs to.
+        # (With `steps_per_execution` an execution begins at its first batch
+        # and ends at its last.)
         state = self._state
-        if state["phase"] == phase and state["batch"] == batch:
+        if state["phase"] == phase and batch >= state["batch"]:
             state["in_step"] = False
             state["since"] = time.monotonic()
 
