@@ -299,7 +299,10 @@ class StepLogger(keras.callbacks.Callback):
     """Writes the learning rate after every batch to a CSV file (columns
     `epoch`, fractional with 1.0 at the end of the first epoch, `update`
     and `learning_rate`), so the report draws the warmup ramp rather than
-    one point per epoch."""
+    one point per epoch. Its cost: two device reads per batch (the update
+    counter and the learning rate), and, as it overrides
+    `on_train_batch_end`, Keras's asynchronous batch dispatch is off in the
+    demo (JAX); the pack's own callbacks keep it."""
 
     def __init__(self, path: str, steps_per_epoch: int) -> None:
         super().__init__()

@@ -124,6 +124,13 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
     backup written by Keras's callback. In a tf_keras `fit` it hands every
     hook to tf_keras's `BackupAndRestore` (multi-worker safe already).
 
+    **Cost per step.** With `save_freq="epoch"` (default) or False it does
+    nothing per batch that reads the device (it declares `async_safe`, so
+    Keras's asynchronous batch dispatch stays on). With an integer
+    `save_freq` it saves from its batch hook, a full read of the weights
+    every `save_freq` batches, and Keras runs that hook synchronously (each
+    step waits for the device, as with Keras's own callback).
+
     Args:
         backup_dir: str, folder of the backup (not shared with anything
             else). Under multi-worker training (or several JAX processes):
@@ -205,6 +212,13 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             delete_checkpoint=delete_checkpoint,
         )
         self.save_freq = save_freq
+        # Keras's asynchronous batch dispatch stays on when nothing is saved
+        # per batch: the batch hook then reads only host counters. An
+        # integer `save_freq` saves from that hook (a full read of the
+        # weights every `save_freq` batches), which must not overlap the
+        # next step: Keras then runs the hook synchronously, as for its own
+        # BackupAndRestore.
+        self.async_safe = save_freq in ("epoch", False)
         self._arguments = dict(
             backup_dir=backup_dir,
             save_freq=save_freq,
@@ -357,6 +371,10 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self._delegate("on_train_batch_end", batch, logs):
             return
+        if self.async_safe:
+            # Nothing per batch to save; the counters below serve integer
+            # saves only. (This hook may run on Keras's dispatch thread.)
+            return
         if self._skipping(batch):
             # Batches the backup already holds: count from the backup's
             # save, as the uninterrupted run did.
@@ -441,14 +459,14 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
             if self._private_dir is None:
                 self._private_dir = tempfile.mkdtemp(prefix="keras_mgpu_bkp_")
             path = os.path.join(self._private_dir, name)
-            self.model.save_weights(path, overwrite=True)
+            self._save_weights(path)
             self._test_kill("weights_partial", path)
             self._test_kill("weights_written")
             os.remove(path)
             return
         _gfile(self.backup_dir).makedirs(self.backup_dir)
         path = os.path.join(self.backup_dir, name)
-        self.model.save_weights(path, overwrite=True)
+        self._save_weights(path)
         self._test_kill("weights_partial", path)
         _fsync(path)
         self._test_kill("weights_written")
@@ -820,13 +838,24 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
 
     def _load(self, candidate: dict) -> str | None:
         """Load one backup; the reason it failed, or None."""
+        from keras_mgpu.schedules._optimizer_lr import hidden_state
+
         try:
-            self.model.load_weights(
-                os.path.join(self.backup_dir, candidate["weights"])
-            )
+            with hidden_state(self.model):
+                self.model.load_weights(
+                    os.path.join(self.backup_dir, candidate["weights"])
+                )
         except Exception as exc:  # reported to every worker, then raised
             return f"{type(exc).__name__}: {exc}"
         return None
+
+    def _save_weights(self, path: str) -> None:
+        from keras_mgpu.schedules._optimizer_lr import hidden_state
+
+        # The optimizer's variables as Keras made them: on JAX our LR
+        # callbacks add theirs for the `fit` (see `hidden_state`).
+        with hidden_state(self.model):
+            self.model.save_weights(path, overwrite=True)
 
     def _resume_at(self, candidate: dict) -> None:
         epoch = int(candidate["epoch"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from keras_mgpu._flavour import callback_bases, tf
@@ -141,6 +142,11 @@ class GPULoadMonitor(*callback_bases()):
     ```
     """
 
+    # The batch hook (only with an integer `update_freq`) reads host-side
+    # figures (allocator statistics, the sampler's latest reading), never a
+    # tensor: Keras's asynchronous batch dispatch stays on.
+    async_safe = True
+
     def __init__(
         self,
         *,
@@ -189,6 +195,7 @@ class GPULoadMonitor(*callback_bases()):
         self._backend = None
         self._prefix = ""
         self._batches = 0
+        self._batch_count = itertools.count(1)
         self.mode: str | None = None  # "gpu", "cpu" or None (nothing)
         self.devices: list[str] = []
         self.keys: list[str] = []
@@ -282,6 +289,7 @@ class GPULoadMonitor(*callback_bases()):
         self.devices = list(self._backend.devices) if self._backend else []
         self.keys = self._gathering.expand_keys(self._epoch_keys())
         self._batches = 0
+        self._batch_count = itertools.count(1)
         if self._backend is None:
             return
         self._sampler = Sampler(
@@ -412,11 +420,12 @@ class GPULoadMonitor(*callback_bases()):
         return figures
 
     def _log_batch(self, batch, logs=None):
-        self._batches += 1
+        # May run on Keras's dispatch threads: `next` on a count is atomic.
+        self._batches = count = next(self._batch_count)
         if (
             logs is None
             or self._sampler is None
-            or self._batches % self.log_every_n_batches
+            or count % self.log_every_n_batches
         ):
             return
         latest = self._sampler.latest()

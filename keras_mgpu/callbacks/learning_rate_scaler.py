@@ -51,7 +51,9 @@ class LearningRateScaler(*callback_bases()):
     `keras.distribution` in force when `fit` runs (every device for
     `DataParallel`, the batch axis of a `ModelParallel` mesh, every
     process's devices; 1 without a distribution), and the factor is a
-    constant of the jitted train step: a new factor compiles a new step.
+    number in the train step's state: a later `fit` with another factor
+    (or a new `LearningRateScaler`) reuses the compiled step, as on
+    TensorFlow, where it reuses the traced one.
 
     Keras's `fit` does not tell callbacks its batch size, so give either
     `batch_size` (the batch passed to `fit`: the global batch of one step,
@@ -166,6 +168,10 @@ class LearningRateScaler(*callback_bases()):
             )
         return int(batch) * accumulation_steps_of(optimizer)
 
+    def set_model(self, model) -> None:
+        super().set_model(model)
+        _optimizer_lr.prepare(model, "scale")
+
     def on_train_begin(self, logs: dict | None = None) -> None:
         examples = self._examples_per_update()
         factor = scaling_factor(
@@ -178,11 +184,9 @@ class LearningRateScaler(*callback_bases()):
         if wrapper is not None and any(
             link is wrapper for link in _optimizer_lr.chain(owner)
         ):
-            if wrapper.factor != factor:
-                # Still installed from a fit that did not end cleanly, and
-                # traced with the old factor (a Python constant): retrace.
-                wrapper.factor = factor
-                _optimizer_lr.retrace(self.model)
+            # Still installed from a fit that did not end cleanly: the new
+            # factor goes into its variable (`activate`), no retrace.
+            wrapper.factor = factor
         elif (
             wrapper is not None
             and wrapper.owner is owner
@@ -191,7 +195,9 @@ class LearningRateScaler(*callback_bases()):
         ):
             _optimizer_lr.set_lr_object(owner, wrapper)
         else:
-            self._wrapper = _optimizer_lr.ScaleWrapper(owner, top, factor)
+            self._wrapper = _optimizer_lr.ScaleWrapper(
+                owner, top, factor, model=self.model
+            )
             _optimizer_lr.set_lr_object(owner, self._wrapper)
         _optimizer_lr.activate(self.model)
         self._report(examples, factor)

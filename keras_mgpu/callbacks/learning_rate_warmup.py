@@ -38,8 +38,17 @@ class LearningRateWarmup(*callback_bases()):
     `iterations` count updates).
 
     At `on_train_end` the original learning-rate object is put back, so
-    `model.save()` writes a clean optimizer config. A second `fit` with this
-    callback reuses the traced train function (no retrace).
+    `model.save()` writes a clean optimizer config. A later `fit` with this
+    callback, or with a new `LearningRateWarmup` of the same `ramp` and
+    other numbers, reuses the traced train function (no retrace on
+    TensorFlow, no compilation on JAX): the ramp's length and start live in
+    variables the step reads, not in the trace. On JAX those variables are
+    optimizer state during `fit` (a jitted step reads nothing else), so a
+    checkpoint Keras's own callbacks write *during* such a `fit`
+    (`ModelCheckpoint`, Keras's `BackupAndRestore`) holds two (with
+    `LearningRateScaler`, three) optimizer variables more than the
+    optimizer has outside it; `keras_mgpu.callbacks.BackupAndRestore` and
+    `model.save` after `fit` write the optimizer as Keras made it.
 
     **Other LR callbacks.** `ReduceLROnPlateau` and `LearningRateScheduler`
     assign `optimizer.learning_rate`: the assignment sets the target the
@@ -131,6 +140,10 @@ class LearningRateWarmup(*callback_bases()):
             )
         return max(1, math.ceil(self.warmup_epochs * per_epoch))
 
+    def set_model(self, model) -> None:
+        super().set_model(model)
+        _optimizer_lr.prepare(model, "warmup")
+
     def on_train_begin(self, logs: dict | None = None) -> None:
         steps = self._resolve_steps()
         self._active_steps = steps
@@ -161,7 +174,12 @@ class LearningRateWarmup(*callback_bases()):
             _optimizer_lr.set_lr_object(owner, wrapper)
         else:
             self._wrapper = _optimizer_lr.WarmupWrapper(
-                owner, top, steps, self.initial_learning_rate, self.ramp
+                owner,
+                top,
+                steps,
+                self.initial_learning_rate,
+                self.ramp,
+                model=self.model,
             )
             _optimizer_lr.set_lr_object(owner, self._wrapper)
         _optimizer_lr.activate(self.model)

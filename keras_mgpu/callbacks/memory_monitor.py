@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -126,6 +127,11 @@ class MemoryMonitor(*callback_bases()):
     ```
     """
 
+    # The batch hook (only with an integer `update_freq`) reads host-side
+    # figures (allocator statistics, the sampler's latest reading), never a
+    # tensor: Keras's asynchronous batch dispatch stays on.
+    async_safe = True
+
     def __init__(
         self,
         *,
@@ -189,6 +195,7 @@ class MemoryMonitor(*callback_bases()):
         self._host_tf = False
         self._prefix = ""
         self._batches = 0
+        self._batch_count = itertools.count(1)
         self.keys: list[str] = []
         if self.log_every_n_batches:
             # Only then: a batch hook turns off Keras's async batch dispatch.
@@ -261,6 +268,7 @@ class MemoryMonitor(*callback_bases()):
         self._capacity = {d: self._capacity_of(d) for d in self._devices}
         self.keys = self._gathering.expand_keys(self._epoch_keys())
         self._batches = 0
+        self._batch_count = itertools.count(1)
         self._reset_peaks()
 
     def _jax_notes(self, devices: list[str]) -> None:
@@ -376,8 +384,9 @@ class MemoryMonitor(*callback_bases()):
         )
 
     def _log_batch(self, batch, logs=None):
-        self._batches += 1
-        if logs is None or self._batches % self.log_every_n_batches:
+        # May run on Keras's dispatch threads: `next` on a count is atomic.
+        self._batches = count = next(self._batch_count)
+        if logs is None or count % self.log_every_n_batches:
             return
         for device in self._devices:
             info = self._reader.read(device) or {}

@@ -178,7 +178,9 @@ class StragglerMonitor(*callback_bases()):
 
         self._wait_start, self._count_start = collective_timing.read()
 
-    def on_train_batch_end(self, batch: int, logs: dict | None = None):
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None):
+        # Counted at the begin hook (on the training thread): an end hook
+        # would switch off Keras's asynchronous batch dispatch.
         self._steps += 1
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:

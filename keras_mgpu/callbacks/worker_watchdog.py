@@ -87,7 +87,10 @@ class WorkerWatchdog(*callback_bases()):
 
     It reads no tensor and adds no collective: its cost is one key-value
     write per heartbeat, and reads of every peer only while this worker
-    waits. `timeout` must exceed the longest legitimate step (including
+    waits. Its batch hooks touch only host state (`async_safe`: Keras's
+    asynchronous batch dispatch stays on).
+
+    `timeout` must exceed the longest legitimate step (including
     the first one, which traces the graph) and any TensorFlow work a
     callback does between steps.
 
@@ -108,6 +111,9 @@ class WorkerWatchdog(*callback_bases()):
     ])
     ```
     """
+
+    # Batch hooks read clocks and counters only (never `logs`).
+    async_safe = True
 
     def __init__(
         self, *, timeout: float = 300.0, heartbeat_interval: float = 1.0
@@ -151,19 +157,19 @@ class WorkerWatchdog(*callback_bases()):
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None):
         self._state["train_steps"] += 1
-        self._step_begin("train", self._state["train_steps"])
+        self._step_begin("train", self._state["train_steps"], batch)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None):
-        self._step_end()
+        self._step_end("train", batch)
 
     def on_test_begin(self, logs: dict | None = None) -> None:
         self._pass_begin("evaluate", "validation")
 
     def on_test_batch_begin(self, batch: int, logs: dict | None = None):
-        self._step_begin(self._state["pass"], batch + 1)
+        self._step_begin(self._state["pass"], batch + 1, batch)
 
     def on_test_batch_end(self, batch: int, logs: dict | None = None):
-        self._step_end()
+        self._step_end(self._state["pass"], batch)
 
     def on_test_end(self, logs: dict | None = None) -> None:
         self._pass_end()
@@ -172,10 +178,10 @@ class WorkerWatchdog(*callback_bases()):
         self._pass_begin("predict", "predict")
 
     def on_predict_batch_begin(self, batch: int, logs: dict | None = None):
-        self._step_begin("predict", batch + 1)
+        self._step_begin("predict", batch + 1, batch)
 
     def on_predict_batch_end(self, batch: int, logs: dict | None = None):
-        self._step_end()
+        self._step_end("predict", batch)
 
     def on_predict_end(self, logs: dict | None = None) -> None:
         self._pass_end()
@@ -243,15 +249,22 @@ class WorkerWatchdog(*callback_bases()):
         else:
             self.stop()
 
-    def _step_begin(self, phase: str, step: int) -> None:
+    def _step_begin(self, phase: str, step: int, batch: int) -> None:
         state = self._state
         state["progress"] += 1
-        state["phase"], state["step"] = phase, step
+        state["phase"], state["step"], state["batch"] = phase, step, batch
         state["in_step"], state["since"] = True, time.monotonic()
 
-    def _step_end(self) -> None:
-        self._state["in_step"] = False
-        self._state["since"] = time.monotonic()
+    def _step_end(self, phase: str, batch: int) -> None:
+        # Under Keras's asynchronous dispatch (JAX) this end hook runs on
+        # Keras's dispatch thread once the step's results are ready, maybe
+        # after the next step began: it ends only the step it belongs to.
+        # (With `steps_per_execution` an execution begins at its first batch
+        # and ends at its last.)
+        state = self._state
+        if state["phase"] == phase and batch >= state["batch"]:
+            state["in_step"] = False
+            state["since"] = time.monotonic()
 
 
 _RUNS = itertools.count()
@@ -266,6 +279,7 @@ def _initial_state() -> dict:
         "epoch": 0,
         "progress": 0,
         "in_step": False,
+        "batch": -1,
         "since": time.monotonic(),
     }
 

@@ -396,3 +396,24 @@ def test_a_reader_never_sees_a_publishing_worker_as_finished(
         writer.remove()
         assert store.reader.read_peers()[0] == (None, None)
         assert store.values == {}
+
+
+def test_a_late_batch_end_ends_only_its_own_step():
+    """Keras's asynchronous dispatch may run step n's end hook after step
+    n + 1 began; with `steps_per_execution` an execution begins at its
+    first batch and ends at its last."""
+    watchdog = WorkerWatchdog()
+    assert watchdog.async_safe
+    watchdog.on_train_batch_begin(0)
+    watchdog.on_train_batch_begin(1)  # before step 0's end hook ran
+    watchdog.on_train_batch_end(0)
+    assert watchdog._state["in_step"]
+    watchdog.on_train_batch_end(1)
+    assert not watchdog._state["in_step"]
+    watchdog.on_train_batch_begin(2)
+    watchdog.on_train_batch_end(5)  # steps_per_execution=4
+    assert not watchdog._state["in_step"]
+    watchdog.on_test_begin()
+    watchdog.on_test_batch_begin(0)
+    watchdog.on_train_batch_end(7)  # a train step's late end: not a test's
+    assert watchdog._state["in_step"]
