@@ -10,7 +10,8 @@ and explains each number).
   Balso 2018; horovod docs/benchmarks: 128 servers x 4 Pascal GPUs,
   RoCE-capable 25 Gbit/s network; published 90% scaling efficiency for
   Inception V3 and ResNet-101, 68% for VGG-16; its reproduction
-  instructions run tf_cnn_benchmarks at batch 64 per GPU). Inside a server the GPUs are taken to share PCIe 3.0 x16.
+  instructions run tf_cnn_benchmarks at batch 64 per GPU). Inside a server
+  the GPUs are taken to share PCIe 3.0 x16.
   Step times on one P100 at batch 64: Inception V3 from TensorFlow's
   published DGX-1 P100 benchmark (142 images/s, 2017); ResNet-101 and
   VGG-16 assumed (ResNet-50's 219 images/s scaled by the models' FLOPs).
