@@ -11,6 +11,7 @@ into the model), the large batch's averages otherwise. Imported by
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -23,13 +24,13 @@ from keras_mgpu._flavour import keras
 ACCUMULATION = 3
 BATCH = 4
 # Micro-steps at which a fit ends: every position of the first window, the
-# end of the first, and inside the second (the last two only in the slow
-# tier: other tests check complete windows).
+# end of the first, and inside the second (complete windows only in the
+# slow tier: other tests check them, and the two-fit case crosses one).
 MICRO_STEPS = (
     1,
     2,
     pytest.param(3, marks=pytest.mark.slow),
-    4,
+    pytest.param(4, marks=pytest.mark.slow),
     pytest.param(5, marks=pytest.mark.slow),
 )
 
@@ -65,15 +66,17 @@ def _close(actual: list, expected: list, atol: float = 1e-6) -> None:
         np.testing.assert_allclose(a, e, rtol=0, atol=atol)
 
 
-def _accumulated_fit(micro_steps: int, fits: int = 1) -> tuple:
+def _accumulated_fit(micro_steps: int, fits: int = 1, scope=None) -> tuple:
     """(final weights, validation losses) of `fits` fits of `micro_steps`
     micro-batches each (the next samples each time), with `SwapEMAWeights`
-    and validation data."""
-    model = mlp()
-    model.compile(
-        optimizer=GradientAccumulationOptimizer(_inner(), ACCUMULATION),
-        loss="mse",
-    )
+    and validation data; model and optimizer made in `scope` (a
+    `tf.distribute` strategy's) if given."""
+    with scope or contextlib.nullcontext():
+        model = mlp()
+        model.compile(
+            optimizer=GradientAccumulationOptimizer(_inner(), ACCUMULATION),
+            loss="mse",
+        )
     x, y, xv, yv = _data(micro_steps * fits)
     losses = []
     size = micro_steps * BATCH
@@ -114,12 +117,12 @@ def _plain(large_steps: int) -> tuple:
     return _weights(model), history.history["val_loss"][-1]
 
 
-def check_fit_ending_at(micro_steps: int) -> None:
+def check_fit_ending_at(micro_steps: int, scope=None) -> None:
     """One fit of `micro_steps` micro-batches equals the plain optimizer
     after `micro_steps // K` large steps: final weights (after Keras's
     end-of-fit overwrite with the averages) and the validation loss
     `SwapEMAWeights` measured on the averages."""
-    weights, losses = _accumulated_fit(micro_steps)
+    weights, losses = _accumulated_fit(micro_steps, scope=scope)
     expected_weights, expected_loss = _plain(micro_steps // ACCUMULATION)
     _close(weights, expected_weights)
     np.testing.assert_allclose(losses[-1], expected_loss, rtol=1e-5)

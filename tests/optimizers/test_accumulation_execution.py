@@ -15,7 +15,9 @@ from execution_bodies import (
 )
 
 
-@pytest.mark.parametrize("windows_per_call", (1, 2))
+@pytest.mark.parametrize(
+    "windows_per_call", (pytest.param(1, marks=pytest.mark.slow), 2)
+)
 def test_windows_in_one_call_equal_the_large_batch(windows_per_call):
     steps = windows_per_call * ACCUMULATION
     weights, calls = accumulated(steps)

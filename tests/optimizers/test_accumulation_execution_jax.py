@@ -41,7 +41,9 @@ def jitted_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("windows_per_call", (1, 2))
+@pytest.mark.parametrize(
+    "windows_per_call", (pytest.param(1, marks=pytest.mark.slow), 2)
+)
 def test_windows_in_one_execution_equal_the_large_batch(
     windows_per_call, jitted_calls
 ):

@@ -23,3 +23,10 @@ def test_fits_ending_inside_windows():
 
 def test_weights_set_inside_the_first_window():
     check_weights_set_inside_the_first_window()
+
+
+def test_fit_ending_inside_the_first_window_under_mirrored():
+    # The averages follow the weights in cross-replica context there.
+    from conftest import make_strategy
+
+    check_fit_ending_at(2, scope=make_strategy("mirrored_2").scope())
