@@ -301,8 +301,12 @@ def _made_no_update(optimizer: Any) -> bool:
     follow the weights until the first update, are used."""
     if not getattr(optimizer, "use_ema", False):
         return False
-    if TF_RUNS and not tf.executing_eagerly():
-        return False
+    if TF_RUNS:
+        if not tf.executing_eagerly():
+            return False
+        # A distributed variable (tf_keras under a strategy) has no
+        # `__array__`; converted, it reads as its primary copy.
+        return int(tf.convert_to_tensor(optimizer.iterations).numpy()) == 0
     try:
         return int(np.asarray(optimizer.iterations)) == 0
     except TypeError:  # a JAX tracer: inside a jitted function
