@@ -7,7 +7,11 @@ distribution:
 - `wrapper`: GradientAccumulationOptimizer at the same micro-batch;
 - `keras_builtin`: Keras's own `gradient_accumulation_steps` (it runs the
   whole update every micro-step and keeps or discards it; ours runs it only
-  at the update, under `lax.cond`).
+  at the update, under `lax.cond`);
+- `wrapper_spe`: the wrapper compiled with `steps_per_execution =
+  accumulation_steps` (one `train_function` call per window; Keras 3.15's
+  JAX trainer still makes one jitted call per micro-step inside it, 3.16
+  one `lax.scan`).
 `step_ms` is the median time of one micro-step in `fit` (repeats
 interleaved so that the cases share the noise);
 `wrapper_vs_keras_builtin_step_time` is ours over theirs (goal <= 1.0);
@@ -56,12 +60,25 @@ def throughput(args, distribution_name: str) -> list[dict]:
     x = rng.normal(size=(args.micro_batch * args.steps, width))
     x = x.astype("float32")
     y = rng.integers(0, 10, size=(args.micro_batch * args.steps,))
-    cases = ("plain_micro", "wrapper", "keras_builtin")
+    cases = ("plain_micro", "wrapper", "keras_builtin", "wrapper_spe")
     models = {}
     for case in cases:
+        kind = "wrapper" if case == "wrapper_spe" else case
         models[case] = build(
-            case, distribution, keras, width, args.accumulation
+            kind, distribution, keras, width, args.accumulation
         )
+        if case == "wrapper_spe":
+            model = models[case]
+            with (
+                distribution.scope()
+                if distribution
+                else (contextlib.nullcontext())
+            ):
+                model.compile(
+                    optimizer=model.optimizer,
+                    loss=model.loss,
+                    steps_per_execution=args.accumulation,
+                )
 
     def run(case):
         with distribution.scope() if distribution else contextlib.nullcontext():
@@ -148,6 +165,16 @@ def main() -> None:
                     "wrapper_vs_plain_micro_step_time": round(
                         by_case["wrapper"]["step_ms"]
                         / by_case["plain_micro"]["step_ms"],
+                        3,
+                    ),
+                    "wrapper_spe_vs_wrapper_step_time": round(
+                        by_case["wrapper_spe"]["step_ms"]
+                        / by_case["wrapper"]["step_ms"],
+                        3,
+                    ),
+                    "wrapper_spe_vs_wrapper_min_step_time": round(
+                        by_case["wrapper_spe"]["min_step_ms"]
+                        / by_case["wrapper"]["min_step_ms"],
                         3,
                     ),
                     "keras_builtin_vs_plain_micro_step_time": round(

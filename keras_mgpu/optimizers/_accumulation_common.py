@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from keras_mgpu import compression as compression_lib
-from keras_mgpu._flavour import flavour_of, keras_of, tf
+from keras_mgpu._flavour import TF_RUNS, flavour_of, keras_of, tf
 from keras_mgpu._validation import check_bool
 from keras_mgpu.compression.reduce import (
     all_reduce_sum as all_reduce_sum_by_dtype,
@@ -294,6 +294,25 @@ def check_momentum_correction(
     return True
 
 
+def _made_no_update(optimizer: Any) -> bool:
+    """Whether `optimizer` keeps EMA averages and has, as far as can be
+    read now, made no update (its `iterations` is a concrete 0). Inside a
+    traced function the count is unknown: False, and the averages, which
+    follow the weights until the first update, are used."""
+    if not getattr(optimizer, "use_ema", False):
+        return False
+    if TF_RUNS:
+        if not tf.executing_eagerly():
+            return False
+        # A distributed variable (tf_keras under a strategy) has no
+        # `__array__`; converted, it reads as its primary copy.
+        return int(tf.convert_to_tensor(optimizer.iterations).numpy()) == 0
+    try:
+        return int(np.asarray(optimizer.iterations)) == 0
+    except TypeError:  # a JAX tracer: inside a jitted function
+        return False
+
+
 def _inner_setting(name: str) -> property:
     """A base-optimizer setting read from (and written to) the inner
     optimizer, which applies it once per update.
@@ -432,6 +451,24 @@ class AccumulationProtocol:
         return list(self._accumulators)
 
     @property
+    def optimizers(self) -> list:
+        """A `keras.optimizers.MultiOptimizer` inner's sub-optimizers.
+
+        Keras's `LearningRateScheduler`, `ReduceLROnPlateau` and
+        `SwapEMAWeights` recognise a MultiOptimizer by this attribute (it
+        refuses `learning_rate`) and set each sub-optimizer's rate; the
+        wrapper shows it when its inner optimizer has it, and is otherwise
+        without it (AttributeError), like a plain optimizer.
+        """
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None or not hasattr(inner, "optimizers"):
+            raise AttributeError(
+                "The inner optimizer has no sub-optimizers (`optimizers` is "
+                "a MultiOptimizer's attribute)."
+            )
+        return inner.optimizers
+
+    @property
     def learning_rate(self) -> Any:
         return self.inner_optimizer.learning_rate
 
@@ -440,7 +477,54 @@ class AccumulationProtocol:
         self.inner_optimizer.learning_rate = learning_rate
 
     def finalize_variable_values(self, var_list: list) -> None:
+        """Keras ends `fit` here: with EMA, the model takes the averages.
+
+        Before the inner optimizer's first update there is no average to
+        take (the weights are the model's only value): the overwrite then
+        waits, as it does with Keras's own `gradient_accumulation_steps`,
+        whose averages follow the weights until its first update.
+        """
+        if _made_no_update(self.inner_optimizer):
+            return
         self.inner_optimizer.finalize_variable_values(var_list)
+
+    def _ema_pair(self, variable: Any) -> tuple | None:
+        """(model variable, its EMA average) as the variables the flavour's
+        strategy updates, or None without an average. Flavour-specific."""
+        raise NotImplementedError
+
+    def _averages_follow_weights(
+        self, slots: list, distribution: Any = None
+    ) -> None:
+        """Until the inner optimizer's first update, set each average to
+        its weight (once per micro-step; a scalar test afterwards).
+
+        Keras starts the averages at zero and sets them to the weights at
+        the first update; within the first window, `fit`'s end and
+        `SwapEMAWeights` would otherwise put zeros into the model. In
+        cross-replica context (`distribution` given) each device's copy is
+        written from the same device's weight, as Keras's `SwapEMAWeights`
+        does; otherwise (no strategy) the average is assigned directly.
+        """
+        if not self.use_ema:
+            return
+        pairs = [self._ema_pair(slot.variable) for slot in slots]
+        pairs = [pair for pair in pairs if pair is not None]
+        if not pairs:
+            return
+
+        def follow() -> None:
+            for variable, average in pairs:
+                if distribution is None:
+                    average.assign(tf.cast(variable, average.dtype))
+                else:
+                    distribution.extended.update(
+                        average, lambda a, b: a.assign(b), args=(variable,)
+                    )
+
+        tf.cond(
+            tf.equal(self.inner_optimizer.iterations, 0), follow, lambda: None
+        )
 
     # Keras's per-variable hooks (what a custom optimizer overrides and
     # Keras's own tests call directly): the wrapper has no rule of its own,
@@ -555,6 +639,7 @@ class AccumulationProtocol:
         """No strategy (or one that never merges): all in replica context."""
         self._iterations.assign_add(1)
         self._pending_steps.assign_add(1)
+        self._averages_follow_weights(slots)
 
         def update(compress):
             finite, payload = self._decide(slots, compress)
@@ -589,6 +674,7 @@ class AccumulationProtocol:
         """
         self._iterations.assign_add(1)
         self._pending_steps.assign_add(1)
+        self._averages_follow_weights(slots, distribution)
         extended = distribution.extended
 
         def update(compress):

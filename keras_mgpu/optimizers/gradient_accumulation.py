@@ -495,6 +495,7 @@ class GradientAccumulationOptimizer(
         # the model is on the stack (BatchNormalization warning, once).
         check_from_optimizer(self, var_list)
         self.inner_optimizer.build(var_list)
+        self._start_averages_at_the_weights()
         # The base build would create EMA variables for a `use_ema` that
         # reads the inner's; the inner's own `apply` keeps the averages.
         self._building_own_state = True
@@ -523,6 +524,47 @@ class GradientAccumulationOptimizer(
         self._accumulators_are_shared = bool(var_list) and not isinstance(
             self._accumulators[0].value, tf.distribute.DistributedValues
         )
+
+    def _start_averages_at_the_weights(self) -> None:
+        """The inner optimizer's EMA averages (Keras creates them as zeros)
+        start as the weights, so that nothing reading them before the first
+        update (the end of `fit`, `SwapEMAWeights`) finds zeros. Each
+        micro-step before that update sets them again (the weights may have
+        been loaded since)."""
+        inner = self.inner_optimizer
+        if not inner.use_ema:
+            return
+        if not TF_RUNS:
+            from keras.src.backend.common.stateless_scope import (
+                in_stateless_scope,
+            )
+
+            # Keras 3.15's private check: inside `stateless_apply` an
+            # assignment would go to the scope, not the variable; the
+            # micro-steps set the averages there.
+            if in_stateless_scope():
+                return
+        with tf.init_scope() if TF_RUNS else contextlib.nullcontext():
+            for variable in inner._trainable_variables:
+                pair = self._ema_pair(variable)
+                if pair is not None:
+                    # A copy: on JAX two variables sharing one buffer
+                    # would both be donated to the next jitted step.
+                    pair[1].assign(keras.ops.copy(pair[0]))
+
+    def _ema_pair(self, variable: Any) -> tuple | None:
+        inner = self.inner_optimizer
+        average = inner._model_variables_moving_average[
+            inner._get_variable_index(variable)
+        ]
+        if average is None:  # overwritten with its gradient: no average
+            return None
+        if not TF_RUNS:
+            return variable, average
+        # The `tf.Variable`s a strategy's `extended.update` takes.
+        if isinstance(variable, keras.Variable):
+            variable = variable.value
+        return variable, average.value
 
     def _add_counters(self, dtype: str) -> None:
         """The window's micro-step and skipped-update counters (and, with
@@ -726,7 +768,12 @@ class GradientAccumulationOptimizer(
         if not grads:
             raise ValueError("No gradients provided for any variable.")
         with keras.name_scope(self.name, caller=self):
-            apply_accumulation(self, grads, trainable_variables)
+            apply_accumulation(
+                self,
+                grads,
+                trainable_variables,
+                [overwrites_with_gradient(v) for v in trainable_variables],
+            )
 
     @staticmethod
     def _drop_missing(grads: list, variables: list) -> tuple:

@@ -243,6 +243,13 @@ class GradientAccumulationOptimizer(
         ]
         self._built = True
 
+    def _ema_pair(self, variable: Any) -> tuple | None:
+        # tf_keras starts the averages at the weights (`initial_value`);
+        # the micro-steps before the first update keep them there.
+        inner = self.inner_optimizer
+        index = inner._index_dict[inner._var_key(variable)]
+        return variable, inner._model_variables_moving_average[index]
+
     def _add_accumulator(self, reference: Any) -> tf.Variable:
         """One replica-local accumulator shaped like `reference`.
 

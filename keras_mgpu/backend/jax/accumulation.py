@@ -36,10 +36,6 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_mgpu.optimizers._accumulation_common import (
-    overwrites_with_gradient,
-)
-
 
 def _all_finite(values: list) -> Any:
     flags = [ops.all(ops.isfinite(v)) for v in values]
@@ -49,18 +45,20 @@ def _all_finite(values: list) -> Any:
 
 
 def apply_accumulation(
-    optimizer: Any, grads: list, trainable_variables: list
+    optimizer: Any, grads: list, trainable_variables: list, maximum: list
 ) -> None:
     """One micro-step of `optimizer` (a `GradientAccumulationOptimizer`).
 
     `grads` and `trainable_variables` are aligned and without `None`
-    gradients; the optimizer is built.
+    gradients; the optimizer is built. `maximum[i]` says whether Keras
+    overwrites variable `i` with its "gradient" (float8 scales and amax
+    histories: the window's maximum is kept instead of a mean); the
+    optimizer passes it in, so this backend module imports no feature.
     """
     inner = optimizer.inner_optimizer
     steps = optimizer.accumulation_steps
     indices = [optimizer._get_variable_index(v) for v in trainable_variables]
     accumulators = [optimizer._accumulators[i] for i in indices]
-    maximum = [overwrites_with_gradient(v) for v in trainable_variables]
     scale = optimizer.loss_scale_factor
 
     grads = [
@@ -85,8 +83,11 @@ def apply_accumulation(
             for a, g, is_max in zip(accumulated, grads, maximum)
         ]
 
+    following = _averages_of(inner)
+
     def hold():
-        return model_values, inner_values, totals(), _zero_int(), previous
+        held = _follow_weights(following, inner_values, model_values)
+        return model_values, held, totals(), _zero_int(), previous
 
     def update():
         means = [
@@ -136,6 +137,46 @@ def apply_accumulation(
         ops.where(complete, ops.zeros_like(pending), pending)
     )
     optimizer._iterations.assign_add(1)
+
+
+def _averages_of(inner: Any) -> list:
+    """(position in `inner.variables`, position in its trainable variables)
+    of each EMA average, and the position of its update counter last; empty
+    without EMA."""
+    if not inner.use_ema:
+        return []
+    positions = {id(v): i for i, v in enumerate(inner.variables)}
+    pairs = [
+        (positions[id(average)], index)
+        for index, average in enumerate(inner._model_variables_moving_average)
+        if average is not None
+    ]
+    return pairs + [(positions[id(inner._iterations)], None)] if pairs else []
+
+
+def _follow_weights(following: list, inner_values: list, model: list) -> list:
+    """Before the inner optimizer's first update, each EMA average takes its
+    weight (Keras starts them at zero, and `fit`'s end or `SwapEMAWeights`
+    would put those zeros into the model); after it, nothing changes. A
+    `cond` on the update counter, so later micro-steps copy nothing."""
+    if not following:
+        return inner_values
+    *pairs, (counter, _) = following
+
+    def weights() -> list:
+        return [
+            ops.cast(model[index], inner_values[position].dtype)
+            for position, index in pairs
+        ]
+
+    def averages() -> list:
+        return [inner_values[position] for position, _ in pairs]
+
+    new = ops.cond(ops.equal(inner_values[counter], 0), weights, averages)
+    values = list(inner_values)
+    for (position, _), value in zip(pairs, new):
+        values[position] = value
+    return values
 
 
 def _correct_momentum(inner: Any, inner_values: list, previous: Any) -> tuple:
