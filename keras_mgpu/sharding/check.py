@@ -17,20 +17,6 @@ from keras_mgpu.sharding.plan import (
     require_jax,
 )
 
-# Optimizer state per trainable variable, in copies of the variable, for
-# optimizers not built yet (a built one is measured).
-_SLOTS = {
-    "Adam": 2,
-    "AdamW": 2,
-    "Adamax": 2,
-    "Nadam": 2,
-    "Lamb": 2,
-    "Adadelta": 2,
-    "Ftrl": 2,
-    "Adagrad": 1,
-    "Lion": 1,
-}
-
 
 @dataclass
 class VariableRow:
@@ -227,37 +213,94 @@ def _measured(variables: list, mesh: Any) -> int | None:
     return max(per_device.values())
 
 
-def _optimizer_multiplier(optimizer: Any, trainable_bytes: int) -> float:
-    inner = getattr(optimizer, "inner_optimizer", None)
+# What a wrapper optimizer keeps per trainable variable besides its inner
+# optimizer's state, in copies of the variable (an unbuilt wrapper's inner
+# optimizer is measured; the wrapper itself is not copied, see below).
+_WRAPPER_COPIES = {
+    "LossScaleOptimizer": 0.0,  # a scalar loss scale and step counter
+    "GradientAccumulationOptimizer": 1.0,  # the accumulators
+}
+
+
+def _optimizer_multiplier(
+    optimizer: Any, trainable_variables: list, trainable_bytes: int
+) -> float:
+    """Optimizer state in copies of the trainable variables: a built
+    optimizer's variables are measured; an unbuilt one is measured on a
+    throwaway copy built on the model's variables (shapes only: nothing
+    is allocated), so EMA, `amsgrad` and shape-dependent state (Adafactor,
+    Muon) count as they will once built."""
     if getattr(optimizer, "built", False):
-        state = sum(
-            _weights.nbytes_of(tuple(v.shape), str(v.dtype))
-            for v in optimizer.variables
-            if len(v.shape) >= 1
-        )
-        return state / max(trainable_bytes, 1)
+        shapes = [(tuple(v.shape), str(v.dtype)) for v in optimizer.variables]
+        return _state_bytes(shapes) / max(trainable_bytes, 1)
+    inner = getattr(optimizer, "inner_optimizer", None)
     name = type(optimizer).__name__
-    if inner is not None:  # GradientAccumulationOptimizer: + accumulators
-        return 1.0 + _optimizer_multiplier(inner, trainable_bytes)
-    if name in _SLOTS:
-        return float(_SLOTS[name]) + float(
-            bool(getattr(optimizer, "amsgrad", False))
+    if inner is not None:
+        if name not in _WRAPPER_COPIES:
+            raise ValueError(
+                "Argument `optimizer` is an unbuilt "
+                f"{name} wrapping {type(inner).__name__}, whose own state "
+                "size keras_mgpu does not know. Build it "
+                "(optimizer.build(model.trainable_variables)) or pass "
+                "`optimizer_multiplier` (its state in copies of the "
+                "trainable variables)."
+            )
+        return _WRAPPER_COPIES[name] + _optimizer_multiplier(
+            inner, trainable_variables, trainable_bytes
         )
-    if name == "SGD":
-        return 1.0 if getattr(optimizer, "momentum", 0.0) else 0.0
-    if name == "RMSprop":
-        return (
-            1.0
-            + float(bool(getattr(optimizer, "centered", False)))
-            + float(bool(getattr(optimizer, "momentum", 0.0)))
-        )
-    raise ValueError(
-        "Argument `optimizer` is an unbuilt "
-        f"{name}, whose state size keras_mgpu does not know. Build it "
-        "(optimizer.build(model.trainable_variables)) or pass "
-        "`optimizer_multiplier` (its state in copies of the trainable "
-        "variables)."
+    shapes = _unbuilt_state_shapes(optimizer, trainable_variables)
+    return _state_bytes(shapes) / max(trainable_bytes, 1)
+
+
+def _state_bytes(shapes: list) -> int:
+    # Scalars (step counters, loss scales) are not per-variable state.
+    return sum(
+        _weights.nbytes_of(shape, dtype) for shape, dtype in shapes if shape
     )
+
+
+def _unbuilt_state_shapes(
+    optimizer: Any, trainable_variables: list
+) -> list[tuple[tuple[int, ...], str]]:
+    """The shapes and dtypes of the variables `optimizer` would hold once
+    built on `trainable_variables`, from a copy built under
+    `jax.eval_shape`."""
+    import jax
+    import keras
+
+    name = type(optimizer).__name__
+    shapes: list[tuple[tuple[int, ...], str]] = []
+
+    def build() -> tuple:
+        # Under `eval_shape` the slots' initializers give abstract values:
+        # a copy of a large model's state is never allocated. The copy is
+        # made from the config (a deep copy pickles through a `.keras`
+        # save); wrappers are not copied whole (above) because Keras 3.15
+        # serializes a nested optimizer with `serialize_keras_object`,
+        # which imports TensorFlow when it is installed.
+        copy = type(optimizer).from_config(optimizer.get_config())
+        copy.build(trainable_variables)
+        shapes.extend(
+            (
+                tuple(int(d) for d in v.shape),
+                keras.backend.standardize_dtype(v.dtype),
+            )
+            for v in copy.variables
+        )
+        return ()
+
+    try:
+        jax.eval_shape(build)
+    except Exception as exc:  # noqa: BLE001 - any optimizer may be passed
+        raise ValueError(
+            "Argument `optimizer` is an unbuilt "
+            f"{name}, whose state size keras_mgpu could not measure on a "
+            f"copy built on the model's variables ({type(exc).__name__}: "
+            f"{exc}). Build it (optimizer.build(model.trainable_variables)) "
+            "or pass `optimizer_multiplier` (its state in copies of the "
+            "trainable variables)."
+        ) from None
+    return shapes
 
 
 def check_layout_map(
@@ -292,10 +335,15 @@ def check_layout_map(
         mesh: `keras.distribution.DeviceMesh`; defaults to the map's. When
             given it must have the map's axis names and shape.
         optimizer: a Keras optimizer, to count its state per device (built:
-            measured from its variables; unbuilt: Adam-like 2 copies, SGD
-            with momentum 1, ...; `GradientAccumulationOptimizer` adds one
-            copy for its accumulators). Optimizer variables take their
-            variable's layout in Keras, so they are sharded alike.
+            measured from its variables; unbuilt: measured on a copy built
+            on the model's variables under `jax.eval_shape`, allocating
+            nothing, so EMA, `amsgrad`, Adafactor's factored state count
+            as built; `GradientAccumulationOptimizer` adds one copy for its
+            accumulators, `LossScaleOptimizer` none). The copy is made from
+            the optimizer's config: a learning-rate schedule's config is
+            serialized by Keras, which imports TensorFlow where installed.
+            Optimizer variables take their variable's layout in Keras, so
+            they are sharded alike.
         optimizer_multiplier: float >= 0, optimizer state in copies of the
             trainable variables, instead of `optimizer`.
         allow_unmatched: bool, list patterns that match nothing in the
@@ -473,7 +521,9 @@ def check_layout_map(
     ]
     if optimizer is not None:
         optimizer_multiplier = _optimizer_multiplier(
-            optimizer, sum(r.bytes for r in trainable_rows)
+            optimizer,
+            list(model.trainable_variables),
+            sum(r.bytes for r in trainable_rows),
         )
     optimizer_bytes = None
     if optimizer_multiplier is not None:

@@ -151,10 +151,77 @@ def test_optimizer_state_per_device(model):
         check_layout_map(model, layout_map, optimizer_multiplier=-1)
 
     class Mine(keras.optimizers.Optimizer):
-        pass
+        def __init__(self, rate):  # no from_config: cannot be copied
+            super().__init__(learning_rate=rate)
+            self.rate = rate
 
     with pytest.raises(ValueError, match="unbuilt Mine.*optimizer_multiplier"):
         check_layout_map(model, layout_map, optimizer=Mine(0.1))
+
+    class Wrapper(keras.optimizers.Optimizer):
+        def __init__(self, inner):
+            super().__init__(learning_rate=0.1)
+            self.inner_optimizer = inner
+
+    with pytest.raises(ValueError, match="unbuilt Wrapper wrapping Adam"):
+        check_layout_map(
+            model, layout_map, optimizer=Wrapper(keras.optimizers.Adam())
+        )
+
+
+_OPTIMIZERS = {
+    "SGD": lambda: keras.optimizers.SGD(0.1),
+    "SGD momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "Adam": lambda: keras.optimizers.Adam(),
+    "AdamW": lambda: keras.optimizers.AdamW(),
+    "Adam amsgrad": lambda: keras.optimizers.Adam(amsgrad=True),
+    "Adam use_ema": lambda: keras.optimizers.Adam(use_ema=True),
+    "LossScaleOptimizer(Adam)": lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam()
+    ),
+    "GradientAccumulationOptimizer(Adam)": lambda: (
+        keras_mgpu.GradientAccumulationOptimizer(keras.optimizers.Adam(), 4)
+    ),
+    "LossScaleOptimizer(GradientAccumulationOptimizer(Adam use_ema))": (
+        lambda: keras.optimizers.LossScaleOptimizer(
+            keras_mgpu.GradientAccumulationOptimizer(
+                keras.optimizers.Adam(use_ema=True), 2
+            )
+        )
+    ),
+    "Adafactor": lambda: keras.optimizers.Adafactor(),
+    "Lion": lambda: keras.optimizers.Lion(),
+    "RMSprop centered momentum": lambda: keras.optimizers.RMSprop(
+        centered=True, momentum=0.9
+    ),
+    "Muon": lambda: keras.optimizers.Muon(),
+    "Nadam": lambda: keras.optimizers.Nadam(),
+    "Ftrl": lambda: keras.optimizers.Ftrl(),
+}
+
+
+def test_unbuilt_optimizer_state_is_what_the_built_one_holds():
+    """An unbuilt optimizer's estimate equals the state the same optimizer
+    holds once built on the model (it was a table: LossScaleOptimizer(Adam)
+    3 copies for 2 held, Adam(use_ema=True) 2 for 3, Adafactor and Muon
+    refused)."""
+    inputs = keras.Input((32,))
+    hidden = keras.layers.LayerNormalization()(keras.layers.Dense(64)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(256)(hidden))
+    layout_map = _map(dense__kernel=(None, "model"))
+    for name, make in _OPTIMIZERS.items():
+        unbuilt = make()
+        estimate = check_layout_map(model, layout_map, optimizer=unbuilt)
+        assert not unbuilt.built, name  # the optimizer given is untouched
+        built = make()
+        built.build(model.trainable_variables)
+        measured = check_layout_map(model, layout_map, optimizer=built)
+        assert estimate.optimizer_multiplier == pytest.approx(
+            measured.optimizer_multiplier, rel=1e-9
+        ), name
+        assert estimate.optimizer_bytes_per_device == (
+            measured.optimizer_bytes_per_device
+        ), name
 
 
 @pytest.mark.parametrize("name", ["plan_layout_map", "check_layout_map"])
