@@ -69,7 +69,10 @@ class LayoutReport:
             devices).
         activations: `{layer output path: axes}` derived from the kernels'
             layouts (a column-split Dense/EinsumDense output is split along
-            the model axis on its feature dimension).
+            the model axis on its feature dimension; a kernel dimension
+            split along the batch axis, as `policy="balanced"` does, splits
+            no feature: the batch axis is the planner's `batch_axis`, else
+            an axis named "batch", else the mesh's first axis).
         planner: the planner's notes (data flow, roles, reasons) when the
             map came from `plan_layout_map`, else None.
     """
@@ -548,7 +551,7 @@ def check_layout_map(
         measured_param_bytes_per_device=_measured(
             [info.variable for info in infos], mesh
         ),
-        activations=_activations(infos, rows, sizes),
+        activations=_activations(infos, rows, sizes, _batch_axis(mesh, notes)),
         planner=notes,
     )
 
@@ -588,19 +591,48 @@ def _check_layout(pattern: str, axes: tuple, info: Any, sizes: dict) -> None:
             )
 
 
-def _activations(infos: list, rows: list, sizes: dict) -> dict[str, tuple]:
+def _batch_axis(mesh: Any, notes: Any) -> str:
+    """The mesh axis the batch is split along: the planner's `batch_axis`,
+    else an axis named "batch", else the first axis (the default
+    `batch_dim_name` of `keras.distribution.ModelParallel`)."""
+    names = list(mesh.axis_names)
+    planned = getattr(notes, "batch_axis", None)
+    if planned in names:
+        return planned
+    return "batch" if "batch" in names else names[0]
+
+
+def _feature_axes(entry: Any, sizes: dict, batch_axis: str) -> Any:
+    """The part of a kernel's output-dimension layout entry that can split
+    an activation's features: every axis but the batch axis (the batch
+    dimension is split along it already; a `policy="balanced"` kernel split
+    along it is gathered before use, as in fully sharded data parallel)."""
+    names = entry if isinstance(entry, (tuple, list)) else (entry,)
+    kept = tuple(
+        n for n in names if n != batch_axis and _axis_product(sizes, n) > 1
+    )
+    if not kept:
+        return None
+    return kept[0] if len(kept) == 1 else kept
+
+
+def _activations(
+    infos: list, rows: list, sizes: dict, batch_axis: str
+) -> dict[str, tuple]:
     """Output layouts of Dense/EinsumDense layers whose kernel splits an
-    output dimension: (batch axis..., model axis on that feature dim)."""
+    output dimension along a model axis: (batch dims..., that model axis on
+    the feature dim). Only axes other than the batch axis split features."""
     found = {}
     for info, row in zip(infos, rows):
         if info.kind != "kernel" or row.axes is None:
             continue
         layer = info.layer
-        split = [
-            d
+        feature_axes = {
+            d: _feature_axes(row.axes[d], sizes, batch_axis)
             for d in info.output
-            if row.axes[d] is not None and _axis_product(sizes, row.axes[d]) > 1
-        ]
+            if row.axes[d] is not None
+        }
+        split = [d for d, axes in feature_axes.items() if axes is not None]
         if not split:
             continue
         layer_path = info.path.rsplit("/", 1)[0] + "/output"
@@ -611,9 +643,9 @@ def _activations(infos: list, rows: list, sizes: dict) -> dict[str, tuple]:
             ]
             axes = [None] * len(output)
             for d in split:
-                axes[output.find(spec[d])] = row.axes[d]
+                axes[output.find(spec[d])] = feature_axes[d]
         elif len(info.shape) == 2:
-            axes = ["..."] + [row.axes[split[0]]]
+            axes = ["..."] + [feature_axes[split[0]]]
         else:
             continue
         found[layer_path] = tuple(axes)

@@ -26,6 +26,9 @@ class PlanNotes:
     reasons: dict[str, str] = field(default_factory=dict)
     fallbacks: dict[str, str] = field(default_factory=dict)
     overridden: dict[str, str] = field(default_factory=dict)
+    # The axis the batch is split along (`batch_axis`): it cannot also split
+    # an activation's features (check_layout_map's activation layouts).
+    batch_axis: str | None = None
 
 
 def require_jax(component: str) -> None:
@@ -278,10 +281,10 @@ def plan_layout_map(
         )
     if uses is not None:
         roles = _dataflow.roles_from_uses(uses, len(infos))
-        notes = PlanNotes(dataflow="traced")
+        notes = PlanNotes(dataflow="traced", batch_axis=batch_axis)
     else:
         roles = _roles_by_order(infos)
-        notes = PlanNotes(dataflow="variable order")
+        notes = PlanNotes(dataflow="variable order", batch_axis=batch_axis)
 
     layouts: dict[str, tuple] = {}
     by_path = {}

@@ -230,3 +230,32 @@ def test_docstring_examples_run(name):
     code = text.split("```python\n")[1].split("```")[0]
     code = "\n".join(line[4:] for line in code.splitlines())
     exec(compile(code, f"<{name} docstring>", "exec"), {})
+
+
+def test_activation_layouts_split_features_along_model_axes_only(model):
+    """A balanced plan splits a row kernel's output dimension along the
+    batch axis (gathered before use): its output's features are not split
+    along it, the batch is (was reported as `('...', 'batch')`)."""
+    layout_map = keras_mgpu.sharding.plan_layout_map(model, mesh((2, 2)))
+    assert layout_map["down_0/kernel"].axes == ("model", "batch")
+    activations = check_layout_map(model, layout_map).activations
+    assert activations == {
+        "up_0/output": ("...", "model"),
+        "up_1/output": ("...", "model"),
+    }
+    # By hand; a mesh without an axis named "batch" splits the batch along
+    # its first axis (Keras's default `batch_dim_name`).
+    layout_map = _map((2, 2), up_0__kernel=(None, "model"))
+    layout_map["down_0/kernel"] = (None, "batch")
+    assert check_layout_map(model, layout_map).activations == {
+        "up_0/output": ("...", "model")
+    }
+    data_model = keras.distribution.DeviceMesh(
+        (2, 2), ("data", "model"), keras.distribution.list_devices()[:4]
+    )
+    layout_map = keras.distribution.LayoutMap(data_model)
+    layout_map["up_0/kernel"] = ("model", "data")
+    layout_map["up_1/kernel"] = ("data", "model")
+    assert check_layout_map(model, layout_map).activations == {
+        "up_1/output": ("...", "model")
+    }
