@@ -130,7 +130,16 @@ def _default_inputs(model: Any) -> Any:
     try:
         return model.input
     except (AttributeError, ValueError):
+        pass
+    # A `Sequential` built from an `Input` has never been called, so its
+    # `input` raises (Keras 3.15); its `inputs` are known.
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
         return None
+    if not inputs:
+        return None
+    return inputs[0] if len(inputs) == 1 else list(inputs)
 
 
 def _roles_by_order(infos: list) -> dict[int, str]:
@@ -223,7 +232,8 @@ def plan_layout_map(
             match a variable path.
         inputs: example inputs (arrays or `jax.ShapeDtypeStruct`s) in the
             structure the model is called with, to trace the data flow of a
-            model without symbolic inputs. Default: `model.input`.
+            model without symbolic inputs. Default: `model.input`
+            (`model.inputs` for a `Sequential` started with an `Input`).
 
     Returns:
         A `keras.distribution.LayoutMap` on `mesh`.
