@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keras_mgpu._validation import check_int, check_number
+from keras_mgpu.backend.keras_serialization import tensorflow_left_alone
 from keras_mgpu.sharding import _weights
 from keras_mgpu.sharding.plan import (
     DEFAULT_MIN_SHARD_BYTES,
@@ -216,42 +217,18 @@ def _measured(variables: list, mesh: Any) -> int | None:
     return max(per_device.values())
 
 
-# What a wrapper optimizer keeps per trainable variable besides its inner
-# optimizer's state, in copies of the variable (an unbuilt wrapper's inner
-# optimizer is measured; the wrapper itself is not copied, see below).
-_WRAPPER_COPIES = {
-    "LossScaleOptimizer": 0.0,  # a scalar loss scale and step counter
-    "GradientAccumulationOptimizer": 1.0,  # the accumulators
-}
-
-
 def _optimizer_multiplier(
     optimizer: Any, trainable_variables: list, trainable_bytes: int
 ) -> float:
     """Optimizer state in copies of the trainable variables: a built
     optimizer's variables are measured; an unbuilt one is measured on a
     throwaway copy built on the model's variables (shapes only: nothing
-    is allocated), so EMA, `amsgrad` and shape-dependent state (Adafactor,
-    Muon) count as they will once built."""
+    is allocated), so wrappers, EMA, `amsgrad` and shape-dependent state
+    (Adafactor, Muon) count as they will once built."""
     if getattr(optimizer, "built", False):
         shapes = [(tuple(v.shape), str(v.dtype)) for v in optimizer.variables]
-        return _state_bytes(shapes) / max(trainable_bytes, 1)
-    inner = getattr(optimizer, "inner_optimizer", None)
-    name = type(optimizer).__name__
-    if inner is not None:
-        if name not in _WRAPPER_COPIES:
-            raise ValueError(
-                "Argument `optimizer` is an unbuilt "
-                f"{name} wrapping {type(inner).__name__}, whose own state "
-                "size keras_mgpu does not know. Build it "
-                "(optimizer.build(model.trainable_variables)) or pass "
-                "`optimizer_multiplier` (its state in copies of the "
-                "trainable variables)."
-            )
-        return _WRAPPER_COPIES[name] + _optimizer_multiplier(
-            inner, trainable_variables, trainable_bytes
-        )
-    shapes = _unbuilt_state_shapes(optimizer, trainable_variables)
+    else:
+        shapes = _unbuilt_state_shapes(optimizer, trainable_variables)
     return _state_bytes(shapes) / max(trainable_bytes, 1)
 
 
@@ -278,10 +255,10 @@ def _unbuilt_state_shapes(
         # Under `eval_shape` the slots' initializers give abstract values:
         # a copy of a large model's state is never allocated. The copy is
         # made from the config (a deep copy pickles through a `.keras`
-        # save); wrappers are not copied whole (above) because Keras 3.15
-        # serializes a nested optimizer with `serialize_keras_object`,
-        # which imports TensorFlow when it is installed.
-        copy = type(optimizer).from_config(optimizer.get_config())
+        # save); Keras serializes a nested optimizer or a schedule with
+        # `serialize_keras_object`, which would import TensorFlow.
+        with tensorflow_left_alone():
+            copy = type(optimizer).from_config(optimizer.get_config())
         copy.build(trainable_variables)
         shapes.extend(
             (
@@ -342,11 +319,9 @@ def check_layout_map(
             on the model's variables under `jax.eval_shape`, allocating
             nothing, so EMA, `amsgrad`, Adafactor's factored state count
             as built; `GradientAccumulationOptimizer` adds one copy for its
-            accumulators, `LossScaleOptimizer` none). The copy is made from
-            the optimizer's config: a learning-rate schedule's config is
-            serialized by Keras, which imports TensorFlow where installed.
-            Optimizer variables take their variable's layout in Keras, so
-            they are sharded alike.
+            accumulators, `LossScaleOptimizer` none). Optimizer variables
+            take their variable's layout in Keras, so they are sharded
+            alike.
         optimizer_multiplier: float >= 0, optimizer state in copies of the
             trainable variables, instead of `optimizer`.
         allow_unmatched: bool, list patterns that match nothing in the
