@@ -404,10 +404,26 @@ def _peak_memory(history: dict, kind: str, devices: list) -> list:
             "host process",
             _peak_rss_mb(),
             "peak resident set size of this process (the OS's "
-            "high-water mark: TensorFlow, oneDNN, XLA and Python)",
+            f"high-water mark: {_process_holders()})",
         )
     )
     return rows
+
+
+def _process_holders(modules: Any = None, environ: Any = None) -> str:
+    """What the process's memory holds, as loaded in it: a JAX run imports
+    neither TensorFlow nor its oneDNN kernels (on by default on x86 CPUs,
+    off with `TF_ENABLE_ONEDNN_OPTS=0`)."""
+    modules = sys.modules if modules is None else modules
+    environ = os.environ if environ is None else environ
+    holders = []
+    if "jax" in modules:
+        holders.append("JAX")
+    if "tensorflow" in modules:
+        onednn = environ.get("TF_ENABLE_ONEDNN_OPTS", "1") != "0"
+        holders += ["TensorFlow", "oneDNN"] if onednn else ["TensorFlow"]
+    holders += ["XLA", "Python"]
+    return ", ".join(holders[:-1]) + " and " + holders[-1]
 
 
 def _peak_rss_mb() -> float:

@@ -405,6 +405,33 @@ def test_cpu_peak_memory_is_the_process_peak_rss_not_the_allocator():
     assert "2.0 MB" not in text and "allocator" not in text
 
 
+@pytest.mark.parametrize(
+    "modules, environ, holders",
+    [
+        (
+            {"tensorflow": 1},
+            {},
+            "TensorFlow, oneDNN, XLA and Python",
+        ),
+        (
+            {"tensorflow": 1},
+            {"TF_ENABLE_ONEDNN_OPTS": "0"},
+            "TensorFlow, XLA and Python",
+        ),
+        ({"jax": 1}, {}, "JAX, XLA and Python"),
+    ],
+    ids=["tensorflow", "tensorflow-onednn-off", "jax"],
+)
+def test_host_memory_label_names_what_the_process_holds(
+    modules, environ, holders
+):
+    """Issue 37: the label named TensorFlow and oneDNN on a JAX run that
+    imports neither."""
+    from keras_mgpu import demo
+
+    assert demo._process_holders(modules, environ) == holders
+
+
 def test_demo_files_and_report_from_its_csv(demo_run, tmp_path):
     output, _, summary = demo_run
     assert _is_png(output / "report.png")

@@ -135,6 +135,12 @@ def test_demo_trains_under_data_parallel_without_tensorflow(tmp_path):
     assert summary["updates"] == 22 // summary["accumulation_steps"]
     assert summary["skipped"] == {}
     assert summary["tensorflow_imported"] is False
+    # Issue 37: the process's memory is labelled by what it holds.
+    (host,) = [
+        r for r in summary["peak_memory"] if r["device"] == "host process"
+    ]
+    assert host["what"].endswith("high-water mark: JAX, XLA and Python)")
+    assert "TensorFlow" not in out and "oneDNN" not in out
     assert summary["final_accuracy"] > 0.5  # 10 classes; 0.73 measured
     with open(tmp_path / "report.png", "rb") as f:
         assert f.read(8) == PNG_MAGIC

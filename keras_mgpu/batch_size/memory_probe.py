@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from keras_mgpu._flavour import flavour_of, keras_of, tf
+from keras_mgpu.backend.keras_serialization import tensorflow_left_alone
 from keras_mgpu.batch_size.samples import SampleBatches
 from keras_mgpu.batch_size.search import OutOfMemory
 from keras_mgpu.monitoring.tf_memory import TFMemoryReader
@@ -91,6 +92,13 @@ class ModelBlueprint:
         self._class = type(model)
         # The model's own flavour, whatever TF_USE_LEGACY_KERAS says.
         self._keras = keras = keras_of(flavour_of(model))
+        # Keras's serialization would import TensorFlow on a JAX run.
+        with tensorflow_left_alone():
+            self._read_configs(model, keras)
+        self._loss = getattr(model, "loss", None)
+        self.accumulate = accumulate
+
+    def _read_configs(self, model: Any, keras: Any) -> None:
         try:
             self._config = dict(keras.saving.serialize_keras_object(model))
         except Exception as exc:  # any failure means: cannot be copied
@@ -107,11 +115,13 @@ class ModelBlueprint:
         self._optimizer_config = keras.saving.serialize_keras_object(
             model.optimizer
         )
-        self._loss = getattr(model, "loss", None)
-        self.accumulate = accumulate
 
     def build(self) -> Any:
         """The compiled copy, in the current strategy scope."""
+        with tensorflow_left_alone():
+            return self._build()
+
+    def _build(self) -> Any:
         keras = self._keras
         try:
             copy = keras.saving.deserialize_keras_object(

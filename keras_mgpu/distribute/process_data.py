@@ -429,7 +429,10 @@ def shard_across_processes(
     elif rows % batch_size:
         layout.check(rows % batch_size, "The last batch")
     if len(arrays) == 1:
-        arrays = arrays[0]
+        # As Keras packs `fit(x=...)` alone: a list or tuple `x` is the
+        # model's inputs, served as `(x,)`; served bare, Keras would read
+        # `[x1, x2]` as `(x, y)`.
+        arrays = arrays if isinstance(x, (list, tuple)) else arrays[0]
     return _array_dataset_class()(
         arrays,
         rows,

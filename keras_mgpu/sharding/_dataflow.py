@@ -30,6 +30,8 @@ _VIEWS = frozenset(
         "copy",
         "copy_p",
         "reduce_precision",
+        # A transposed convolution flips its kernel's spatial dimensions.
+        "rev",
     }
 )
 _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keras_mgpu._validation import check_int, check_number
+from keras_mgpu.backend.keras_serialization import tensorflow_left_alone
 from keras_mgpu.sharding import _weights
 from keras_mgpu.sharding.plan import (
     DEFAULT_MIN_SHARD_BYTES,
@@ -16,20 +17,6 @@ from keras_mgpu.sharding.plan import (
     check_model,
     require_jax,
 )
-
-# Optimizer state per trainable variable, in copies of the variable, for
-# optimizers not built yet (a built one is measured).
-_SLOTS = {
-    "Adam": 2,
-    "AdamW": 2,
-    "Adamax": 2,
-    "Nadam": 2,
-    "Lamb": 2,
-    "Adadelta": 2,
-    "Ftrl": 2,
-    "Adagrad": 1,
-    "Lion": 1,
-}
 
 
 @dataclass
@@ -83,7 +70,10 @@ class LayoutReport:
             devices).
         activations: `{layer output path: axes}` derived from the kernels'
             layouts (a column-split Dense/EinsumDense output is split along
-            the model axis on its feature dimension).
+            the model axis on its feature dimension; a kernel dimension
+            split along the batch axis, as `policy="balanced"` does, splits
+            no feature: the batch axis is the planner's `batch_axis`, else
+            an axis named "batch", else the mesh's first axis).
         planner: the planner's notes (data flow, roles, reasons) when the
             map came from `plan_layout_map`, else None.
     """
@@ -227,37 +217,70 @@ def _measured(variables: list, mesh: Any) -> int | None:
     return max(per_device.values())
 
 
-def _optimizer_multiplier(optimizer: Any, trainable_bytes: int) -> float:
-    inner = getattr(optimizer, "inner_optimizer", None)
+def _optimizer_multiplier(
+    optimizer: Any, trainable_variables: list, trainable_bytes: int
+) -> float:
+    """Optimizer state in copies of the trainable variables: a built
+    optimizer's variables are measured; an unbuilt one is measured on a
+    throwaway copy built on the model's variables (shapes only: nothing
+    is allocated), so wrappers, EMA, `amsgrad` and shape-dependent state
+    (Adafactor, Muon) count as they will once built."""
     if getattr(optimizer, "built", False):
-        state = sum(
-            _weights.nbytes_of(tuple(v.shape), str(v.dtype))
-            for v in optimizer.variables
-            if len(v.shape) >= 1
-        )
-        return state / max(trainable_bytes, 1)
-    name = type(optimizer).__name__
-    if inner is not None:  # GradientAccumulationOptimizer: + accumulators
-        return 1.0 + _optimizer_multiplier(inner, trainable_bytes)
-    if name in _SLOTS:
-        return float(_SLOTS[name]) + float(
-            bool(getattr(optimizer, "amsgrad", False))
-        )
-    if name == "SGD":
-        return 1.0 if getattr(optimizer, "momentum", 0.0) else 0.0
-    if name == "RMSprop":
-        return (
-            1.0
-            + float(bool(getattr(optimizer, "centered", False)))
-            + float(bool(getattr(optimizer, "momentum", 0.0)))
-        )
-    raise ValueError(
-        "Argument `optimizer` is an unbuilt "
-        f"{name}, whose state size keras_mgpu does not know. Build it "
-        "(optimizer.build(model.trainable_variables)) or pass "
-        "`optimizer_multiplier` (its state in copies of the trainable "
-        "variables)."
+        shapes = [(tuple(v.shape), str(v.dtype)) for v in optimizer.variables]
+    else:
+        shapes = _unbuilt_state_shapes(optimizer, trainable_variables)
+    return _state_bytes(shapes) / max(trainable_bytes, 1)
+
+
+def _state_bytes(shapes: list) -> int:
+    # Scalars (step counters, loss scales) are not per-variable state.
+    return sum(
+        _weights.nbytes_of(shape, dtype) for shape, dtype in shapes if shape
     )
+
+
+def _unbuilt_state_shapes(
+    optimizer: Any, trainable_variables: list
+) -> list[tuple[tuple[int, ...], str]]:
+    """The shapes and dtypes of the variables `optimizer` would hold once
+    built on `trainable_variables`, from a copy built under
+    `jax.eval_shape`."""
+    import jax
+    import keras
+
+    name = type(optimizer).__name__
+    shapes: list[tuple[tuple[int, ...], str]] = []
+
+    def build() -> tuple:
+        # Under `eval_shape` the slots' initializers give abstract values:
+        # a copy of a large model's state is never allocated. The copy is
+        # made from the config (a deep copy pickles through a `.keras`
+        # save); Keras serializes a nested optimizer or a schedule with
+        # `serialize_keras_object`, which would import TensorFlow.
+        with tensorflow_left_alone():
+            copy = type(optimizer).from_config(optimizer.get_config())
+        copy.build(trainable_variables)
+        shapes.extend(
+            (
+                tuple(int(d) for d in v.shape),
+                keras.backend.standardize_dtype(v.dtype),
+            )
+            for v in copy.variables
+        )
+        return ()
+
+    try:
+        jax.eval_shape(build)
+    except Exception as exc:  # noqa: BLE001 - any optimizer may be passed
+        raise ValueError(
+            "Argument `optimizer` is an unbuilt "
+            f"{name}, whose state size keras_mgpu could not measure on a "
+            f"copy built on the model's variables ({type(exc).__name__}: "
+            f"{exc}). Build it (optimizer.build(model.trainable_variables)) "
+            "or pass `optimizer_multiplier` (its state in copies of the "
+            "trainable variables)."
+        ) from None
+    return shapes
 
 
 def check_layout_map(
@@ -292,10 +315,13 @@ def check_layout_map(
         mesh: `keras.distribution.DeviceMesh`; defaults to the map's. When
             given it must have the map's axis names and shape.
         optimizer: a Keras optimizer, to count its state per device (built:
-            measured from its variables; unbuilt: Adam-like 2 copies, SGD
-            with momentum 1, ...; `GradientAccumulationOptimizer` adds one
-            copy for its accumulators). Optimizer variables take their
-            variable's layout in Keras, so they are sharded alike.
+            measured from its variables; unbuilt: measured on a copy built
+            on the model's variables under `jax.eval_shape`, allocating
+            nothing, so EMA, `amsgrad`, Adafactor's factored state count
+            as built; `GradientAccumulationOptimizer` adds one copy for its
+            accumulators, `LossScaleOptimizer` none). Optimizer variables
+            take their variable's layout in Keras, so they are sharded
+            alike.
         optimizer_multiplier: float >= 0, optimizer state in copies of the
             trainable variables, instead of `optimizer`.
         allow_unmatched: bool, list patterns that match nothing in the
@@ -473,7 +499,9 @@ def check_layout_map(
     ]
     if optimizer is not None:
         optimizer_multiplier = _optimizer_multiplier(
-            optimizer, sum(r.bytes for r in trainable_rows)
+            optimizer,
+            list(model.trainable_variables),
+            sum(r.bytes for r in trainable_rows),
         )
     optimizer_bytes = None
     if optimizer_multiplier is not None:
@@ -498,7 +526,7 @@ def check_layout_map(
         measured_param_bytes_per_device=_measured(
             [info.variable for info in infos], mesh
         ),
-        activations=_activations(infos, rows, sizes),
+        activations=_activations(infos, rows, sizes, _batch_axis(mesh, notes)),
         planner=notes,
     )
 
@@ -538,19 +566,48 @@ def _check_layout(pattern: str, axes: tuple, info: Any, sizes: dict) -> None:
             )
 
 
-def _activations(infos: list, rows: list, sizes: dict) -> dict[str, tuple]:
+def _batch_axis(mesh: Any, notes: Any) -> str:
+    """The mesh axis the batch is split along: the planner's `batch_axis`,
+    else an axis named "batch", else the first axis (the default
+    `batch_dim_name` of `keras.distribution.ModelParallel`)."""
+    names = list(mesh.axis_names)
+    planned = getattr(notes, "batch_axis", None)
+    if planned in names:
+        return planned
+    return "batch" if "batch" in names else names[0]
+
+
+def _feature_axes(entry: Any, sizes: dict, batch_axis: str) -> Any:
+    """The part of a kernel's output-dimension layout entry that can split
+    an activation's features: every axis but the batch axis (the batch
+    dimension is split along it already; a `policy="balanced"` kernel split
+    along it is gathered before use, as in fully sharded data parallel)."""
+    names = entry if isinstance(entry, (tuple, list)) else (entry,)
+    kept = tuple(
+        n for n in names if n != batch_axis and _axis_product(sizes, n) > 1
+    )
+    if not kept:
+        return None
+    return kept[0] if len(kept) == 1 else kept
+
+
+def _activations(
+    infos: list, rows: list, sizes: dict, batch_axis: str
+) -> dict[str, tuple]:
     """Output layouts of Dense/EinsumDense layers whose kernel splits an
-    output dimension: (batch axis..., model axis on that feature dim)."""
+    output dimension along a model axis: (batch dims..., that model axis on
+    the feature dim). Only axes other than the batch axis split features."""
     found = {}
     for info, row in zip(infos, rows):
         if info.kind != "kernel" or row.axes is None:
             continue
         layer = info.layer
-        split = [
-            d
+        feature_axes = {
+            d: _feature_axes(row.axes[d], sizes, batch_axis)
             for d in info.output
-            if row.axes[d] is not None and _axis_product(sizes, row.axes[d]) > 1
-        ]
+            if row.axes[d] is not None
+        }
+        split = [d for d, axes in feature_axes.items() if axes is not None]
         if not split:
             continue
         layer_path = info.path.rsplit("/", 1)[0] + "/output"
@@ -561,9 +618,9 @@ def _activations(infos: list, rows: list, sizes: dict) -> dict[str, tuple]:
             ]
             axes = [None] * len(output)
             for d in split:
-                axes[output.find(spec[d])] = row.axes[d]
+                axes[output.find(spec[d])] = feature_axes[d]
         elif len(info.shape) == 2:
-            axes = ["..."] + [row.axes[split[0]]]
+            axes = ["..."] + [feature_axes[split[0]]]
         else:
             continue
         found[layer_path] = tuple(axes)

@@ -26,6 +26,9 @@ class PlanNotes:
     reasons: dict[str, str] = field(default_factory=dict)
     fallbacks: dict[str, str] = field(default_factory=dict)
     overridden: dict[str, str] = field(default_factory=dict)
+    # The axis the batch is split along (`batch_axis`): it cannot also split
+    # an activation's features (check_layout_map's activation layouts).
+    batch_axis: str | None = None
 
 
 def require_jax(component: str) -> None:
@@ -127,7 +130,16 @@ def _default_inputs(model: Any) -> Any:
     try:
         return model.input
     except (AttributeError, ValueError):
+        pass
+    # A `Sequential` built from an `Input` has never been called, so its
+    # `input` raises (Keras 3.15); its `inputs` are known.
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
         return None
+    if not inputs:
+        return None
+    return inputs[0] if len(inputs) == 1 else list(inputs)
 
 
 def _roles_by_order(infos: list) -> dict[int, str]:
@@ -220,7 +232,8 @@ def plan_layout_map(
             match a variable path.
         inputs: example inputs (arrays or `jax.ShapeDtypeStruct`s) in the
             structure the model is called with, to trace the data flow of a
-            model without symbolic inputs. Default: `model.input`.
+            model without symbolic inputs. Default: `model.input`
+            (`model.inputs` for a `Sequential` started with an `Input`).
 
     Returns:
         A `keras.distribution.LayoutMap` on `mesh`.
@@ -278,10 +291,10 @@ def plan_layout_map(
         )
     if uses is not None:
         roles = _dataflow.roles_from_uses(uses, len(infos))
-        notes = PlanNotes(dataflow="traced")
+        notes = PlanNotes(dataflow="traced", batch_axis=batch_axis)
     else:
         roles = _roles_by_order(infos)
-        notes = PlanNotes(dataflow="variable order")
+        notes = PlanNotes(dataflow="variable order", batch_axis=batch_axis)
 
     layouts: dict[str, tuple] = {}
     by_path = {}

@@ -220,6 +220,43 @@ def test_one_process_gets_whole_batches_in_the_agreed_order():
     assert data[3][0][:, 0].tolist() != first[3] or len(data) == 1
 
 
+def _two_input_model_with_add_loss():
+    import keras
+
+    class SquaredOutputLoss(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(keras.ops.mean(x**2))
+            return x
+
+    keras.utils.set_random_seed(0)
+    x1, x2 = keras.Input((3,)), keras.Input((2,))
+    joined = keras.layers.Concatenate()([x1, x2])
+    outputs = SquaredOutputLoss()(keras.layers.Dense(1)(joined))
+    model = keras.Model([x1, x2], outputs)
+    model.compile(keras.optimizers.SGD(0.1))
+    return model
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_a_list_of_inputs_without_targets_is_the_inputs(container):
+    """`shard_across_processes([x1, x2])` is `fit(x=[x1, x2])` (Keras packs
+    a list `x` alone as the inputs): it was served as `(x1, x2)`, which
+    Keras reads as `(x, y)`, and a model trained by `add_loss` failed."""
+    rng = np.random.default_rng(0)
+    x = container(
+        (rng.normal(size=(8, 3)).astype("float32"),)
+        + (rng.normal(size=(8, 2)).astype("float32"),)
+    )
+    plain = _two_input_model_with_add_loss()
+    plain.fit(x=x, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    ours = _two_input_model_with_add_loss()
+    data = shard_across_processes(x, batch_size=4, shuffle=False)
+    ours.fit(data, epochs=2, verbose=0)
+    for a, b in zip(plain.get_weights(), ours.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(plain.get_weights()[0], 0.0)
+
+
 class _Batches:
     """A PyDataset of 4 batches, batch i all i, that records its calls."""
 

@@ -151,10 +151,70 @@ def test_optimizer_state_per_device(model):
         check_layout_map(model, layout_map, optimizer_multiplier=-1)
 
     class Mine(keras.optimizers.Optimizer):
-        pass
+        def __init__(self, rate):  # no from_config: cannot be copied
+            super().__init__(learning_rate=rate)
+            self.rate = rate
 
     with pytest.raises(ValueError, match="unbuilt Mine.*optimizer_multiplier"):
         check_layout_map(model, layout_map, optimizer=Mine(0.1))
+
+
+_OPTIMIZERS = {
+    "SGD": lambda: keras.optimizers.SGD(0.1),
+    "SGD momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "Adam": lambda: keras.optimizers.Adam(),
+    "AdamW": lambda: keras.optimizers.AdamW(),
+    "Adam amsgrad": lambda: keras.optimizers.Adam(amsgrad=True),
+    "Adam use_ema": lambda: keras.optimizers.Adam(use_ema=True),
+    "LossScaleOptimizer(Adam)": lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam()
+    ),
+    "GradientAccumulationOptimizer(Adam)": lambda: (
+        keras_mgpu.GradientAccumulationOptimizer(keras.optimizers.Adam(), 4)
+    ),
+    "LossScaleOptimizer(GradientAccumulationOptimizer(Adam use_ema))": (
+        lambda: keras.optimizers.LossScaleOptimizer(
+            keras_mgpu.GradientAccumulationOptimizer(
+                keras.optimizers.Adam(use_ema=True), 2
+            )
+        )
+    ),
+    "Adafactor": lambda: keras.optimizers.Adafactor(),
+    "Lion": lambda: keras.optimizers.Lion(),
+    "RMSprop centered momentum": lambda: keras.optimizers.RMSprop(
+        centered=True, momentum=0.9
+    ),
+    "Muon": lambda: keras.optimizers.Muon(),
+    "Nadam": lambda: keras.optimizers.Nadam(),
+    "Ftrl": lambda: keras.optimizers.Ftrl(),
+    "SGD with a schedule": lambda: keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9), 0.9
+    ),
+}
+
+
+def test_unbuilt_optimizer_state_is_what_the_built_one_holds():
+    """An unbuilt optimizer's estimate equals the state the same optimizer
+    holds once built on the model (it was a table: LossScaleOptimizer(Adam)
+    3 copies for 2 held, Adam(use_ema=True) 2 for 3, Adafactor and Muon
+    refused)."""
+    inputs = keras.Input((32,))
+    hidden = keras.layers.LayerNormalization()(keras.layers.Dense(64)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(256)(hidden))
+    layout_map = _map(dense__kernel=(None, "model"))
+    for name, make in _OPTIMIZERS.items():
+        unbuilt = make()
+        estimate = check_layout_map(model, layout_map, optimizer=unbuilt)
+        assert not unbuilt.built, name  # the optimizer given is untouched
+        built = make()
+        built.build(model.trainable_variables)
+        measured = check_layout_map(model, layout_map, optimizer=built)
+        assert estimate.optimizer_multiplier == pytest.approx(
+            measured.optimizer_multiplier, rel=1e-9
+        ), name
+        assert estimate.optimizer_bytes_per_device == (
+            measured.optimizer_bytes_per_device
+        ), name
 
 
 @pytest.mark.parametrize("name", ["plan_layout_map", "check_layout_map"])
@@ -163,3 +223,32 @@ def test_docstring_examples_run(name):
     code = text.split("```python\n")[1].split("```")[0]
     code = "\n".join(line[4:] for line in code.splitlines())
     exec(compile(code, f"<{name} docstring>", "exec"), {})
+
+
+def test_activation_layouts_split_features_along_model_axes_only(model):
+    """A balanced plan splits a row kernel's output dimension along the
+    batch axis (gathered before use): its output's features are not split
+    along it, the batch is (was reported as `('...', 'batch')`)."""
+    layout_map = keras_mgpu.sharding.plan_layout_map(model, mesh((2, 2)))
+    assert layout_map["down_0/kernel"].axes == ("model", "batch")
+    activations = check_layout_map(model, layout_map).activations
+    assert activations == {
+        "up_0/output": ("...", "model"),
+        "up_1/output": ("...", "model"),
+    }
+    # By hand; a mesh without an axis named "batch" splits the batch along
+    # its first axis (Keras's default `batch_dim_name`).
+    layout_map = _map((2, 2), up_0__kernel=(None, "model"))
+    layout_map["down_0/kernel"] = (None, "batch")
+    assert check_layout_map(model, layout_map).activations == {
+        "up_0/output": ("...", "model")
+    }
+    data_model = keras.distribution.DeviceMesh(
+        (2, 2), ("data", "model"), keras.distribution.list_devices()[:4]
+    )
+    layout_map = keras.distribution.LayoutMap(data_model)
+    layout_map["up_0/kernel"] = ("model", "data")
+    layout_map["up_1/kernel"] = ("data", "model")
+    assert check_layout_map(model, layout_map).activations == {
+        "up_1/output": ("...", "model")
+    }

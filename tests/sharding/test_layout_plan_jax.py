@@ -238,6 +238,35 @@ def test_parallel_branches_are_both_columns():
     assert roles["gate/bias"] == "bias of a column split"
 
 
+@pytest.mark.parametrize("kind", ["functional", "sequential"])
+def test_transposed_convolution_and_sequential_are_traced(kind):
+    """A transposed convolution's kernel is reversed (`rev`) before it is
+    contracted: still its use, so the Dense after it is row-split (it was
+    column-split too, an extra all-gather). A `Sequential` from an `Input`
+    (whose `model.input` raises) is traced, not planned by variable order.
+    """
+    layers = [
+        keras.layers.Conv2DTranspose(16, 3, name="up"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(64, name="d1"),
+        keras.layers.Dense(32, name="d2"),
+    ]
+    if kind == "sequential":
+        model = keras.Sequential([keras.Input((8, 8, 4))] + layers)
+    else:
+        x = inputs = keras.Input((8, 8, 4))
+        for layer in layers:
+            x = layer(x)
+        model = keras.Model(inputs, x)
+    notes = plan_layout_map(
+        model, mesh((1, 4)), policy="model", min_shard_bytes=0
+    )._keras_mgpu_plan
+    assert notes.dataflow == "traced"
+    prefix = "sequential/" if kind == "sequential" else ""
+    roles = [notes.roles[f"{prefix}{n}/kernel"] for n in ("up", "d1", "d2")]
+    assert roles == ["column", "row", "column"]
+
+
 def test_bad_arguments():
     model = mlp()
     device_mesh = mesh((2, 2))
