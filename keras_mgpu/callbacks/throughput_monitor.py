@@ -124,7 +124,7 @@ class ThroughputMonitor(*callback_bases()):
     batch size from the `fit` data (or `batch_size`); compile count is the
     train function's traces in this `fit`, compile seconds the first step's
     time beyond a steady step. `flops_per_sample` overrides the measurement
-    (model FLOPs; hardware FLOPs are then NaN unless measured).
+    (model FLOPs) and skips it: hardware FLOPs and HFU are then NaN.
 
     Under `tf.distribute` (Mirrored, MultiWorkerMirrored) and
     `keras.distribution` (DataParallel, ModelParallel, several JAX
@@ -522,7 +522,7 @@ class ThroughputMonitor(*callback_bases()):
             )
         measured = (
             self._measure(batch)
-            if self.flops_per_sample is None or self._backend_name == "jax"
+            if self.flops_per_sample is None
             else {"model": None, "hardware": None}
         )
         model_flops = self.flops_per_sample or measured["model"] or NAN

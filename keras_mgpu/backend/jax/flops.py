@@ -27,6 +27,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _BEFORE_COMPILE = (
     "/jax/core/compile/jaxpr_trace_duration",
@@ -138,14 +140,16 @@ def device_count_and_kind(distribution: Any = None) -> tuple[int, str]:
     ("cpu" on CPU)."""
     import jax
 
-    devices = None
+    count, devices = 1, None
     mesh = getattr(distribution, "device_mesh", None)
     if mesh is not None:
-        devices = list(getattr(mesh, "devices", None).flatten())
+        count = int(np.size(mesh.devices))
+        backend_mesh = getattr(mesh, "backend_mesh", None)
+        devices = list(np.ravel(getattr(backend_mesh, "devices", [])))
     if not devices:
         devices = [jax.devices()[0]]
     device = devices[0]
     kind = getattr(device, "device_kind", "") or device.platform
     if getattr(device, "platform", "") == "cpu":
         kind = "cpu"
-    return len(devices), str(kind)
+    return count, str(kind)
