@@ -581,8 +581,8 @@ def drop_refused_components(config: DemoConfig) -> DemoConfig:
     """`config` without the components that refuse this backend.
 
     Each component that `config` turns on is constructed once; one that
-    raises `BackendNotSupportedError` is turned off (both monitors share
-    `monitors`, which stays on while either works) and recorded in
+    raises `BackendNotSupportedError` is turned off (the monitors share
+    `monitors`, which stays on while any works) and recorded in
     `skipped` with the reason, for the summary. On TensorFlow every one
     constructs.
     """

@@ -161,8 +161,11 @@ class ThroughputMonitor(*callback_bases()):
     ```
     """
 
-    # The per-batch hook reads the host clock only, never a device value.
+    # The per-batch hook reads the host clock only, never a device value:
+    # Keras 3 may dispatch it asynchronously, and tf_keras need not turn
+    # the step's logs into NumPy for it.
     async_safe = True
+    _supports_tf_logs = True
 
     def __init__(
         self,
