@@ -118,7 +118,7 @@ def _timed_fit(model, x, y, batch_size, callbacks=(), epochs=2):
         verbose=0,
         callbacks=[*callbacks, _Clock()],
     )
-    steps = len(x) // batch_size
+    steps = len(y) // batch_size  # x may be a dict of inputs
     return times[-1] / steps, history
 
 
