@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import types
 from typing import Any
 
 from keras_mgpu._flavour import callback_bases, register_serializable
@@ -46,6 +47,38 @@ def _fit_epoch_iterator() -> Any:
             iterator = frame.f_locals.get("epoch_iterator")
             if iterator is not None and hasattr(iterator, "data_adapter"):
                 return iterator
+        frame = frame.f_back
+    return None
+
+
+class _TFKerasData:
+    """tf_keras's `DataHandler` (its `fit` keeps it in `data_handler`:
+    tf_keras 2.x) seen as Keras 3's epoch iterator: `data_adapter` with
+    `batch_size`, `has_partial_batch`, `num_batches` as attributes, and the
+    distributed dataset's `element_spec`."""
+
+    def __init__(self, handler: Any) -> None:
+        adapter = handler._adapter
+        self._distributed_dataset = handler._dataset
+        self.data_adapter = types.SimpleNamespace(
+            batch_size=adapter.batch_size(),
+            has_partial_batch=bool(adapter.has_partial_batch()),
+            num_batches=handler._inferred_steps,
+        )
+
+
+def _tf_keras_data() -> Any:
+    frame = sys._getframe(1)
+    for _ in range(40):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "fit":
+            handler = frame.f_locals.get("data_handler")
+            if handler is not None and hasattr(handler, "_adapter"):
+                try:
+                    return _TFKerasData(handler)
+                except Exception:  # noqa: BLE001 - another tf_keras layout
+                    return None
         frame = frame.f_back
     return None
 
@@ -261,7 +294,7 @@ class ThroughputMonitor(*callback_bases()):
         self._excluded = []
         self._first_epoch = True
         self._compile_seconds = NAN
-        epoch_iterator = _fit_epoch_iterator()
+        epoch_iterator = _fit_epoch_iterator() or _tf_keras_data()
         self._adapter = getattr(epoch_iterator, "data_adapter", None)
         self._steps_per_execution = int(
             getattr(self.model, "steps_per_execution", 1) or 1
