@@ -16,6 +16,12 @@ be reset) and prints one JSON line; all lines also go to `--out`:
 - `accumulation`: `GradientAccumulationOptimizer` (K=4) against one step on
   the 4x batch with an AdamW + step schedule (max abs weight difference),
   Keras's built-in `gradient_accumulation_steps` likewise, and step times;
+- `throughput`: keras-hub BERT-small (4 layers, hidden 512, seq 128, batch
+  16, `DataParallel`): step time of plain Keras `fit`, with
+  `ThroughputMonitor` (and what it reports: tokens/s, TFLOP/s per device,
+  MFU, HFU, compile time), with accumulation K=4 + AdamW, with
+  `LearningRateWarmup`, with `MemoryMonitor`, and of a hand-written
+  `jax.jit` loop of the same model; ratios over plain (needs keras-hub);
 - `bench_recompute_jax.py --gpu`: peak memory and step time of plain, our
   recompute policies, `keras.RematScope` and raw `jax.checkpoint`;
 - `check_gpu_monitors_jax.py`: the monitors on the real `memory_stats()`
@@ -112,7 +118,7 @@ def _timed_fit(model, x, y, batch_size, callbacks=(), epochs=2):
         verbose=0,
         callbacks=[*callbacks, _Clock()],
     )
-    steps = len(x) // batch_size
+    steps = len(y) // batch_size  # x may be a dict of inputs
     return times[-1] / steps, history
 
 
@@ -216,10 +222,132 @@ def _case_accumulation(quick: bool) -> dict:
     return out
 
 
+def _bert(keras, quick: bool):
+    """keras-hub BERT-small (4 layers, hidden 512, seq 128) with a
+    2-class head on the pooled output; a tiny one with `quick`."""
+    import keras_hub
+
+    if quick:
+        size = {"layers": 2, "hidden": 64, "heads": 2, "vocab": 100, "seq": 16}
+    else:
+        size = {
+            "layers": 4,
+            "hidden": 512,
+            "heads": 8,
+            "vocab": 30522,
+            "seq": 128,
+        }
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=size["vocab"],
+        num_layers=size["layers"],
+        num_heads=size["heads"],
+        hidden_dim=size["hidden"],
+        intermediate_dim=4 * size["hidden"],
+        max_sequence_length=size["seq"],
+    )
+    logits = keras.layers.Dense(2)(backbone.output["pooled_output"])
+    return keras.Model(backbone.input, logits), size
+
+
+def _case_throughput(quick: bool) -> dict:
+    """Plain Keras `fit` of BERT-small vs each component vs a hand-written
+    `jax.jit` loop of the same model (SGD), and what `ThroughputMonitor`
+    reports (tokens/s, TFLOP/s per device, MFU/HFU against the table)."""
+    import jax
+    import jax.numpy as jnp
+    import keras
+    import numpy as np
+
+    from keras_mgpu.callbacks import (
+        LearningRateWarmup,
+        MemoryMonitor,
+        ThroughputMonitor,
+    )
+    from keras_mgpu.optimizers import GradientAccumulationOptimizer
+
+    batch, steps = (4, 8) if quick else (16, 128)
+    probe, size = _bert(keras, quick)
+    seq = size["seq"]
+    samples = batch * steps
+    rng = np.random.default_rng(0)
+    x = {
+        "token_ids": rng.integers(0, size["vocab"], (samples, seq)).astype(
+            "int32"
+        ),
+        "segment_ids": np.zeros((samples, seq), "int32"),
+        "padding_mask": np.ones((samples, seq), "int32"),
+    }
+    y = rng.integers(0, 2, samples).astype("int32")
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    out = {"case": "throughput", "batch": batch, "steps": steps, **size}
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def fit(label, optimizer, callbacks=()):
+        model, _ = _bert(keras, quick)
+        model.compile(optimizer, loss)
+        seconds, _ = _timed_fit(model, x, y, batch, callbacks)
+        out[f"step_ms_{label}"] = round(seconds * 1e3, 3)
+
+    fit("plain", keras.optimizers.SGD(1e-3))
+    monitor = ThroughputMonitor(window_size=steps // 2, token_input="token_ids")
+    fit("throughput_monitor", keras.optimizers.SGD(1e-3), [monitor])
+    out["monitor"] = {k: float(f"{v:.4g}") for k, v in monitor.last.items()}
+    fit(
+        "accumulation_k4_adamw",
+        GradientAccumulationOptimizer(
+            keras.optimizers.AdamW(1e-3), accumulation_steps=4
+        ),
+    )
+    fit(
+        "warmup",
+        keras.optimizers.SGD(1e-3),
+        [LearningRateWarmup(warmup_steps=steps)],
+    )
+    fit("memory_monitor", keras.optimizers.SGD(1e-3), [MemoryMonitor()])
+
+    # The hand-written loop: the same model's stateless call, SGD.
+    model, _ = _bert(keras, quick)
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def loss_fn(weights, xb, yb):
+        logits, _ = model.stateless_call(weights, non_trainable, xb)
+        log_probs = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(log_probs, yb[:, None], 1))
+
+    @jax.jit
+    def step(weights, xb, yb):
+        value, grads = jax.value_and_grad(loss_fn)(weights, xb, yb)
+        return [w - 1e-3 * g for w, g in zip(weights, grads)], value
+
+    batches = [
+        ({k: v[i : i + batch] for k, v in x.items()}, y[i : i + batch])
+        for i in range(0, samples, batch)
+    ]
+    weights = [v.value for v in model.trainable_variables]
+    weights, value = step(weights, *batches[0])
+    jax.block_until_ready(value)
+    start = time.perf_counter()
+    for xb, yb in batches:
+        weights, value = step(weights, xb, yb)
+    jax.block_until_ready(value)
+    out["step_ms_jit_loop"] = round(
+        (time.perf_counter() - start) / steps * 1e3, 3
+    )
+    plain = out["step_ms_plain"]
+    out["ratios_over_plain"] = {
+        k[len("step_ms_") :]: round(v / plain, 3)
+        for k, v in out.items()
+        if k.startswith("step_ms_")
+    }
+    return out
+
+
 CASES = {
     "device": _case_device,
     "monitors": _case_monitors,
     "accumulation": _case_accumulation,
+    "throughput": _case_throughput,
 }
 
 
@@ -310,6 +438,7 @@ def main() -> int:
             ),
         ),
         ("monitors", lambda: _run_case("monitors", args.quick, 150)),
+        ("throughput", lambda: _run_case("throughput", args.quick, 240)),
         (
             "check_gpu_monitors_jax",
             lambda: _run(

@@ -38,6 +38,7 @@ def _probes() -> dict[str, Callable[[], Any]]:
         "schedules.Warmup": lambda: keras_mgpu.Warmup(0.1, 10),
         "MemoryMonitor": lambda: callbacks.MemoryMonitor(),
         "GPULoadMonitor": lambda: callbacks.GPULoadMonitor(),
+        "ThroughputMonitor": lambda: callbacks.ThroughputMonitor(),
         "RecomputeGrad": lambda: keras_mgpu.RecomputeGrad(
             keras.layers.Dense(1)
         ),

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -598,6 +599,7 @@ _COMPONENT_FLAGS = {
     "LearningRateWarmup": "warmup",
     "MemoryMonitor": "monitors",
     "GPULoadMonitor": "monitors",
+    "ThroughputMonitor": "monitors",
     "RecomputeGrad": "recompute",
 }
 
@@ -606,8 +608,8 @@ def drop_refused_components(config: DemoConfig) -> DemoConfig:
     """`config` without the components that refuse this backend.
 
     Each component that `config` turns on is constructed once; one that
-    raises `BackendNotSupportedError` is turned off (both monitors share
-    `monitors`, which stays on while either works) and recorded in
+    raises `BackendNotSupportedError` is turned off (the monitors share
+    `monitors`, which stays on while any works) and recorded in
     `skipped` with the reason, for the summary. On TensorFlow every one
     constructs.
     """
@@ -662,6 +664,8 @@ def _callbacks(config: DemoConfig, paths: _Paths, steps_per_epoch: int) -> list:
             callbacks.append(mgpu_callbacks.MemoryMonitor())
         if "GPULoadMonitor" not in config.skipped:
             callbacks.append(mgpu_callbacks.GPULoadMonitor(interval=0.25))
+        if "ThroughputMonitor" not in config.skipped:
+            callbacks.append(mgpu_callbacks.ThroughputMonitor(window_size=10))
     if config.progress:
         callbacks.append(ProgressBar(config.epochs, steps_per_epoch))
     # Last: it writes the logs the callbacks above added.
@@ -737,6 +741,7 @@ def _summary(
         "final_train_accuracy": float(logs["accuracy"][-1]),
         "final_loss": float(logs["val_loss"][-1]),
         "peak_memory": peak_memory if config.monitors else [],
+        "throughput": _throughput(logs) if config.monitors else {},
         "train_seconds": run["train_seconds"],
         "seed": config.seed,
         "csv": os.path.abspath(paths.csv),
@@ -751,6 +756,31 @@ def _summary(
         "tensorflow_imported": run.get("tensorflow_imported", True),
         "batch_by_memory": run.get("batch_by_memory"),
     }
+
+
+def _throughput(logs: dict) -> dict:
+    """The last epoch's `ThroughputMonitor` figures (keys without the
+    `perf/` group and any `w<rank>_` prefix); {} when it did not log."""
+    figures = {}
+    for key, values in logs.items():
+        match = re.match(r"^perf/(w\d+_)?([a-z_]+)$", key)
+        if match and values:
+            figures[match.group(2)] = float(values[-1])
+    return figures
+
+
+def _throughput_row(figures: dict) -> str:
+    def shown(name: str, text: str) -> str | None:
+        value = figures.get(name, math.nan)
+        return None if math.isnan(value) else text.format(value)
+
+    parts = [
+        shown("samples_per_sec", "{:,.0f} samples/s"),
+        shown("tflops_per_device", "{:.3g} TFLOP/s per device"),
+        shown("mfu", "MFU {:.1%}"),
+        shown("compile_seconds", "{:.1f} s compiling (left out)"),
+    ]
+    return ", ".join(p for p in parts if p) or "n/a"
 
 
 def _skipped_notes(skipped: dict) -> list:
@@ -1066,6 +1096,8 @@ def format_summary(summary: dict, total_seconds: float | None = None) -> str:
             )
     else:
         rows.append(("peak memory", "monitors off"))
+    if summary.get("throughput"):
+        rows.append(("throughput", _throughput_row(summary["throughput"])))
     time_text = f"{summary['train_seconds']:.1f} s training"
     if total_seconds is not None:
         time_text += f", {total_seconds:.1f} s in all"

@@ -87,6 +87,33 @@ def _integer_epochs(axes: list) -> None:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+# ThroughputMonitor's keys (`perf/`, see keras_mgpu.callbacks.
+# ThroughputMonitor): one line under the panels, from the last epoch.
+_PERF = re.compile(r"^perf/(w\d+_)?([a-z_]+)$")
+
+
+def throughput_line(columns: Mapping[str, list]) -> str:
+    """The last epoch's throughput as one line ("" without `perf/`
+    columns): samples/s, TFLOP/s per device, MFU, compile seconds."""
+    last = {}
+    for name, values in columns.items():
+        match = _PERF.match(name)
+        if match and values and math.isfinite(_to_float(values[-1])):
+            last.setdefault(match.group(2), _to_float(values[-1]))
+    parts = []
+    if "samples_per_sec" in last:
+        parts.append(f"{last['samples_per_sec']:,.0f} samples/s")
+    if "tokens_per_sec" in last:
+        parts.append(f"{last['tokens_per_sec']:,.0f} tokens/s")
+    if "tflops_per_device" in last:
+        parts.append(f"{last['tflops_per_device']:.3g} TFLOP/s per device")
+    if "mfu" in last:
+        parts.append(f"MFU {last['mfu']:.1%}")
+    if "compile_seconds" in last:
+        parts.append(f"{last['compile_seconds']:.1f} s compiling (left out)")
+    return ("Throughput, last epoch: " + ", ".join(parts)) if parts else ""
+
+
 def _to_float(value: Any) -> float:
     try:
         return float(value)
@@ -394,6 +421,9 @@ def plot_training_report(
     _integer_epochs([ax_loss, ax_lr, ax_mem, ax_load])
     if title:
         fig.suptitle(title)
+    speed = throughput_line(columns)
+    if speed:
+        fig.supxlabel(speed, fontsize=9, color="0.3")
     path = os.fspath(path)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)

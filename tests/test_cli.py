@@ -325,6 +325,11 @@ def test_demo_trains_across_two_logical_cpus(demo_run):
     assert summary["learning_rate"] == pytest.approx(4e-3)
     assert summary["final_learning_rate"] == pytest.approx(4e-3, rel=1e-5)
     assert summary["final_accuracy"] >= ACCURACY_THRESHOLD
+    # ThroughputMonitor ran (monitors on) and its figures reach the table.
+    from keras_mgpu import demo
+
+    assert summary["throughput"]["samples_per_sec"] > 0
+    assert "samples/s" in demo.format_summary(summary)
 
 
 def test_demo_prints_progress_table_and_paths(demo_run):

@@ -92,10 +92,11 @@ def test_components_that_refuse_are_skipped_with_the_reason(monkeypatch):
     }
     assert config.monitors  # GPULoadMonitor constructs: monitors stay on
     probes["GPULoadMonitor"] = refuse
+    probes["ThroughputMonitor"] = refuse
     config = demo_module.drop_refused_components(
         demo_module.DemoConfig(output_dir="unused")
     )
-    assert not config.monitors and len(config.skipped) == 2
+    assert not config.monitors and len(config.skipped) == 3
 
 
 def test_tensorflow_only_demo_options_refuse_on_jax(tmp_path, capsys):

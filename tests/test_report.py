@@ -81,6 +81,27 @@ def test_classify_columns_monitor_keys_and_others():
     assert "my_custom_thing" not in sum(panels.values(), [])
 
 
+def test_throughput_line_reads_the_last_epoch_of_perf_columns():
+    from keras_mgpu.report import throughput_line
+
+    columns = {
+        "loss": [1.0, 0.5],
+        "perf/w0_samples_per_sec": [900.0, 1234.0],
+        "perf/w0_tflops_per_device": [0.5, 0.25],
+        "perf/w0_mfu": [float("nan"), float("nan")],
+        "perf/w0_compile_seconds": [3.0, 3.0],
+    }
+    assert throughput_line(columns) == (
+        "Throughput, last epoch: 1,234 samples/s, 0.25 TFLOP/s per device, "
+        "3.0 s compiling (left out)"
+    )
+    assert throughput_line({"loss": [1.0]}) == ""
+    # Not a panel of its own: the 2 x 2 panels stay as they are.
+    assert "perf/w0_mfu" not in sum(
+        classify_columns(list(columns)).values(), []
+    )
+
+
 def test_classify_columns_other_spellings():
     panels = classify_columns(
         ["lr", "sparse_categorical_accuracy", "val_acc", "gpu_memory", "load"]

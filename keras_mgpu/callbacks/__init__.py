@@ -7,6 +7,7 @@ from keras_mgpu.callbacks.learning_rate_warmup import LearningRateWarmup
 from keras_mgpu.callbacks.memory_monitor import MemoryMonitor
 from keras_mgpu.callbacks.pruning_step_sync import PruningStepSync
 from keras_mgpu.callbacks.straggler_monitor import StragglerMonitor
+from keras_mgpu.callbacks.throughput_monitor import ThroughputMonitor
 from keras_mgpu.callbacks.worker_watchdog import WorkerWatchdog
 
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "MemoryMonitor",
     "PruningStepSync",
     "StragglerMonitor",
+    "ThroughputMonitor",
     "WorkerWatchdog",
 ]

@@ -176,6 +176,7 @@ def _monitored_fit(rank: int) -> dict:
         GPULoadMonitor,
         MemoryMonitor,
         StragglerMonitor,
+        ThroughputMonitor,
         WorkerWatchdog,
     )
     from keras_mgpu.monitoring import HostBackend
@@ -187,10 +188,12 @@ def _monitored_fit(rank: int) -> dict:
     memory._host_backend = HostBackend(psutil_module=_RankPsutil(rank))
     straggler = StragglerMonitor(warn_ratio=1.25)
     watchdog = WorkerWatchdog(timeout=30.0, heartbeat_interval=HEARTBEAT)
+    throughput = ThroughputMonitor(window_size=4)
     callbacks = [
         straggler,
         memory,
         GPULoadMonitor(interval=0.05, gather_workers=True),
+        throughput,
         watchdog,
     ]
     if rank == 1:
@@ -204,6 +207,7 @@ def _monitored_fit(rank: int) -> dict:
         "history": {k: list(v) for k, v in history.history.items()},
         "straggler_keys": list(straggler.keys),
         "memory_keys": list(memory.keys),
+        "throughput": dict(throughput.last),
         "warnings": [str(w.message) for w in caught],
         "train_function_restored": model.train_function is untimed,
         "watchdog_report": watchdog.report,

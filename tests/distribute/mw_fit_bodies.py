@@ -316,9 +316,11 @@ def _components(strategy, x, y) -> dict:
         LearningRateScaler,
         LearningRateWarmup,
         MemoryMonitor,
+        ThroughputMonitor,
     )
 
     steps = 2
+    throughput = ThroughputMonitor(window_size=4)
     with strategy.scope():
         model = _model(recompute=True)
         model.compile(
@@ -344,6 +346,7 @@ def _components(strategy, x, y) -> dict:
                 LearningRateWarmup(warmup_steps=6),
                 MemoryMonitor(gather_workers=True),
                 GPULoadMonitor(interval=0.05, gather_workers=True),
+                throughput,
             ],
         )
     reference = _model()
@@ -370,6 +373,7 @@ def _components(strategy, x, y) -> dict:
         "updates": int(model.optimizer.iterations.numpy()),
         "log_keys": sorted(history.history),
         "learning_rate": history.history["learning_rate"],
+        "throughput": dict(throughput.last),
     }
 
 

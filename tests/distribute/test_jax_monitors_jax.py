@@ -150,6 +150,26 @@ def test_gpu_load_monitor_gathers_too(stall_cluster):
             assert f"cpu/w{w}_samples" in keys
 
 
+def test_throughput_monitor_counts_every_process_devices(stall_cluster):
+    # Dense 3 -> 4 -> 1: forward 2*3*4 + 4 + 2*4*1 + 1 = 37 FLOPs a sample,
+    # model FLOPs 3 x that; the global batch of 8 per step; 4 devices.
+    for rank, seen in enumerate(stall_cluster["seen"]):
+        figures = {
+            k.split("/")[1].split("_", 1)[1]: v
+            for k, v in seen["fit"]["throughput"].items()
+        }
+        assert all(
+            k.startswith(f"perf/w{rank}_") for k in seen["fit"]["throughput"]
+        )
+        assert figures["flops_per_sample"] == pytest.approx(111.0, rel=0.05)
+        assert figures["samples_per_sec"] == pytest.approx(
+            figures["batches_per_sec"] * bodies.BATCH
+        )
+        assert figures["tflops_per_device"] == pytest.approx(
+            figures["flops_per_sample"] * figures["samples_per_sec"] / 4 / 1e12
+        )
+
+
 def test_a_healthy_watched_fit_is_not_aborted_and_leaves_no_status(
     stall_cluster,
 ):

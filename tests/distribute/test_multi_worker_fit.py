@@ -79,6 +79,24 @@ def test_every_component_in_fit(cluster):
         cluster[0]["components"]["weights"]
         == cluster[1]["components"]["weights"]
     )
+    # ThroughputMonitor: global rates, an update of 2 micro-steps, FLOPs
+    # measured on the traced step, keys prefixed per worker.
+    for rank, result in enumerate(cluster):
+        figures = {
+            key.split("_", 1)[1]: value
+            for key, value in result["components"]["throughput"].items()
+        }
+        assert all(
+            key.startswith(f"perf/w{rank}_")
+            for key in result["components"]["throughput"]
+        )
+        assert figures["samples_per_sec"] == pytest.approx(
+            figures["batches_per_sec"] * 8  # the global batch of a step
+        )
+        assert figures["updates_per_sec"] == pytest.approx(
+            figures["batches_per_sec"] / 2
+        )
+        assert figures["flops_per_sample"] > 0
 
 
 @pytest.mark.slow
