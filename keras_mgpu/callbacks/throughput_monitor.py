@@ -32,6 +32,7 @@ _FLOP_KEYS = (
     "hfu",
 )
 _COMPILE_KEYS = ("compile_seconds", "compile_count", "window_steps")
+_COMM_KEY = "comm_bytes_per_update"
 
 
 def _fit_epoch_iterator() -> Any:
@@ -183,6 +184,23 @@ class ThroughputMonitor(*callback_bases()):
             `fit`'s data does not tell it (a generator). Defaults to None.
         worker_prefix: bool or None, force the `w<rank>_` key prefix on or
             off; None (default) adds it when the cluster has several workers.
+        interconnect_gbps: float > 0, a key of
+            `keras_mgpu.monitoring.INTERCONNECTS` ("nvlink4", "pcie5_x16",
+            ...) or None: the link between the devices of one host, in GB/s
+            (bytes) per direction. Given, the monitor also logs
+            `perf/scaling_efficiency_at_<N>` for each N of `predict_at`:
+            `keras_mgpu.monitoring.predict_scaling` of the measured time per
+            update and `perf/comm_bytes_per_update` (ring all-reduce, not
+            overlapped: a lower bound where the backend overlaps). The
+            measured time is taken as one device's compute: exact on one
+            device, pessimistic on several (it already holds their
+            reduction). Defaults to None.
+        network_gbps: like `interconnect_gbps`, the link each host sends to
+            the network (`"network_400gbit"`, ...), for the N of
+            `predict_at` beyond one host; None (default) leaves those NaN.
+        predict_at: device counts to predict for. Defaults to (8, 64, 512).
+        devices_per_host: int >= 1, devices in one host for the prediction.
+            Defaults to 8.
 
     Example:
 
@@ -210,6 +228,10 @@ class ThroughputMonitor(*callback_bases()):
         peak_flops: float | None = None,
         batch_size: int | None = None,
         worker_prefix: bool | None = None,
+        interconnect_gbps: float | str | None = None,
+        network_gbps: float | str | None = None,
+        predict_at: tuple[int, ...] | list[int] = (8, 64, 512),
+        devices_per_host: int = 8,
     ) -> None:
         super().__init__()
         self._backend_name = require_backend("ThroughputMonitor")
@@ -250,6 +272,23 @@ class ThroughputMonitor(*callback_bases()):
         self.worker_prefix = check_bool(
             worker_prefix, "worker_prefix", allow_none=True
         )
+        self.interconnect_gbps = _check_link(
+            interconnect_gbps, "interconnect_gbps"
+        )
+        self.network_gbps = _check_link(network_gbps, "network_gbps")
+        if isinstance(predict_at, int) or not isinstance(
+            predict_at, (tuple, list)
+        ):
+            raise TypeError(
+                "Argument `predict_at` must be a tuple or list of device "
+                f"counts (ints >= 1). Received: predict_at={predict_at!r}"
+            )
+        self.predict_at = tuple(
+            check_int(n, "predict_at", minimum=1) for n in predict_at
+        )
+        self.devices_per_host = check_int(
+            devices_per_host, "devices_per_host", minimum=1
+        )
         self._notices = Notices()
         self.keys: list[str] = []
         self._prefix = ""
@@ -268,6 +307,10 @@ class ThroughputMonitor(*callback_bases()):
             "peak_flops": self.peak_flops,
             "batch_size": self.batch_size,
             "worker_prefix": self.worker_prefix,
+            "interconnect_gbps": self.interconnect_gbps,
+            "network_gbps": self.network_gbps,
+            "predict_at": list(self.predict_at),
+            "devices_per_host": self.devices_per_host,
         }
 
     @classmethod
@@ -288,8 +331,11 @@ class ThroughputMonitor(*callback_bases()):
         names = list(_RATE_KEYS)
         if self.tokens_per_sample or self.token_input:
             names.append("tokens_per_sec")
-        names += list(_FLOP_KEYS) + list(_COMPILE_KEYS)
+        names += list(_FLOP_KEYS) + list(_COMPILE_KEYS) + [_COMM_KEY]
+        if self.interconnect_gbps is not None:
+            names += [f"scaling_efficiency_at_{n}" for n in self.predict_at]
         self.keys = [self._key(n) for n in names]
+        self._traffic: Any = None
         self._fit_start = time.perf_counter()
         self._excluded = []
         self._first_epoch = True
@@ -540,6 +586,55 @@ class ThroughputMonitor(*callback_bases()):
         )
         return count, table_peak(kind, dtype or "float32")
 
+    def _scaling(self, step_seconds: float) -> dict[str, float]:
+        """`comm_bytes_per_update` (once per `fit`) and, with a link given,
+        the predicted scaling efficiency at each N of `predict_at`."""
+        from keras_mgpu.monitoring.communication import (
+            predict_scaling,
+            update_bytes,
+        )
+
+        if self._traffic is None:
+            try:
+                self._traffic = update_bytes(self.model)
+            except Exception as exc:  # noqa: BLE001 - a monitor never fails
+                self._traffic = False
+                self._notices.warn(
+                    "comm",
+                    "ThroughputMonitor: could not size the update's "
+                    f"reduction ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:200]}); "
+                    "perf/comm_bytes_per_update is NaN.",
+                )
+        traffic = self._traffic or None
+        figures = {
+            _COMM_KEY: NAN if traffic is None else traffic.bytes_per_update
+        }
+        if self.interconnect_gbps is None:
+            return figures
+        accumulation = accumulation_steps_of(self.model.optimizer)
+        update_seconds = step_seconds * accumulation
+        for n in self.predict_at:
+            hosts = max(1, math.ceil(n / self.devices_per_host))
+            efficiency = NAN
+            usable = (
+                traffic is not None
+                and update_seconds > 0
+                and n % hosts == 0
+                and (hosts == 1 or self.network_gbps is not None)
+            )
+            if usable:
+                efficiency = predict_scaling(
+                    step_seconds=update_seconds,
+                    bytes_per_update=traffic,
+                    devices=n,
+                    hosts=hosts,
+                    intra_host_gbps=self.interconnect_gbps,
+                    inter_host_gbps=self.network_gbps,
+                ).efficiency
+            figures[f"scaling_efficiency_at_{n}"] = efficiency
+        return figures
+
     def read(self) -> dict[str, float]:
         """The figures of the epoch so far, keyed as in the logs."""
         steps, seconds = self._window()
@@ -581,8 +676,26 @@ class ThroughputMonitor(*callback_bases()):
         figures["compile_seconds"] = compile_seconds
         figures["compile_count"] = count
         figures["window_steps"] = float(steps)
+        figures.update(self._scaling(seconds / steps if steps else NAN))
         self.last = {self._key(k): float(v) for k, v in figures.items()}
         return dict(self.last)
+
+
+def _check_link(value: Any, argument: str) -> float | str | None:
+    """A bandwidth in GB/s (> 0), a key of `INTERCONNECTS`, or None."""
+    from keras_mgpu.monitoring.communication import INTERCONNECTS
+
+    if value is None or (isinstance(value, str) and value in INTERCONNECTS):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value > 0 and math.isfinite(value):
+            return float(value)
+    raise ValueError(
+        f"Argument `{argument}` must be a bandwidth in GB/s (a number > 0), "
+        f"a key of keras_mgpu.monitoring.INTERCONNECTS "
+        f"({', '.join(sorted(INTERCONNECTS))}) or None. "
+        f"Received: {argument}={value!r}"
+    )
 
 
 def _leaves(structure: Any) -> list:

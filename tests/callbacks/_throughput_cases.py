@@ -43,6 +43,15 @@ BAD_INPUT = [
     ({"peak_flops": 0}, ValueError, r"`peak_flops`.*peak_flops=0"),
     ({"batch_size": 0}, ValueError, r"`batch_size`.*batch_size=0"),
     ({"worker_prefix": 1}, TypeError, r"`worker_prefix`.*worker_prefix=1"),
+    (
+        {"interconnect_gbps": "nvlink9"},
+        ValueError,
+        r"`interconnect_gbps`.*nvlink4.*interconnect_gbps='nvlink9'",
+    ),
+    ({"network_gbps": 0}, ValueError, r"`network_gbps`.*network_gbps=0"),
+    ({"predict_at": 8}, TypeError, r"`predict_at`.*predict_at=8"),
+    ({"predict_at": (8, 0)}, ValueError, r"`predict_at`"),
+    ({"devices_per_host": 0}, ValueError, r"`devices_per_host`"),
 ]
 
 
@@ -225,6 +234,61 @@ def test_an_accumulation_window_is_one_update():
     assert figures["updates_per_sec"] == pytest.approx(50.0)
     assert figures["flops_per_update"] == pytest.approx(1000.0 * BATCH * 2)
     assert math.isnan(figures["hardware_flops_per_sample"])
+
+
+def test_bytes_per_update_and_predicted_scaling_at_n_devices():
+    # The arithmetic on a set model (no fit): 8 steps, 10 ms apart, K = 2.
+    from keras_mgpu.monitoring import (
+        INTERCONNECTS,
+        predict_scaling,
+        update_bytes,
+    )
+
+    model = _mlp()
+    _compile(
+        model,
+        GradientAccumulationOptimizer(
+            keras.optimizers.SGD(0.01), accumulation_steps=2
+        ),
+    )
+    monitor = ThroughputMonitor(
+        window_size=4,
+        flops_per_sample=1000.0,
+        batch_size=BATCH,
+        interconnect_gbps="nvlink4",
+        network_gbps="network_400gbit",
+        predict_at=(1, 8, 64),
+    )
+    monitor.set_model(model)
+    monitor.on_train_begin()
+    monitor.on_epoch_begin(0)
+    for step in range(8):
+        monitor._ends[step] = 10.0 + 0.01 * step
+    figures = {k.split("/")[-1]: v for k, v in monitor.read().items()}
+    assert set(monitor.keys) >= {
+        f"perf/scaling_efficiency_at_{n}" for n in (1, 8, 64)
+    }
+    traffic = update_bytes(model)
+    # The gradients' bytes (float32), times the reductions of one update.
+    parameters = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
+    assert traffic.parameters == parameters
+    assert figures["comm_bytes_per_update"] == traffic.bytes_per_update > 0
+    # One device: the prediction is the measurement.
+    assert figures["scaling_efficiency_at_1"] == 1.0
+    for n, hosts in ((8, 1), (64, 8)):
+        expected = predict_scaling(
+            step_seconds=0.02,  # 2 steps of 10 ms per update
+            bytes_per_update=traffic,
+            devices=n,
+            hosts=hosts,
+            intra_host_gbps=INTERCONNECTS["nvlink4"],
+            inter_host_gbps=INTERCONNECTS["network_400gbit"],
+        ).efficiency
+        assert figures[f"scaling_efficiency_at_{n}"] == pytest.approx(expected)
+        assert 0 < expected < 1
+    assert (
+        figures["scaling_efficiency_at_64"] < figures["scaling_efficiency_at_8"]
+    )
 
 
 def test_compile_time_is_reported_once_and_a_second_fit_compiles_nothing():

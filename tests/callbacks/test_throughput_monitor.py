@@ -4,6 +4,7 @@ callbacks/_throughput_cases.py, collected by this backend's job."""
 from callbacks._throughput_cases import (  # noqa: F401
     test_an_accumulation_window_is_one_update,
     test_bad_arguments_are_refused_at_construction,
+    test_bytes_per_update_and_predicted_scaling_at_n_devices,
     test_compile_time_is_reported_once_and_a_second_fit_compiles_nothing,
     test_config_round_trips_through_keras_serialization,
     test_figures_are_global_under_a_strategy,
