@@ -15,7 +15,8 @@ A `keras_hub.models.BertBackbone` inside a user classifier, trained with
   per update, the schedule and `iterations` counted in updates;
 - learning-rate warmup (`LearningRateWarmup`) over the first updates, as
   BERT fine-tuning recipes do;
-- `MemoryMonitor`: device memory in the logs (the host's on CPU).
+- `MemoryMonitor`: device memory in the logs (the host's on CPU);
+- `ThroughputMonitor`: samples/s, tokens/s, TFLOP/s per device and MFU.
 
 By default the backbone is built from a configuration with random weights
 (no download): the data below is synthetic, so the run shows the mechanics,
@@ -32,6 +33,7 @@ Needs keras-hub: `pip install "keras-mgpu[hub]"` (and `[jax]` for JAX).
 """
 
 import argparse
+import contextlib
 import os
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -72,7 +74,11 @@ import keras_hub  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_mgpu  # noqa: E402
-from keras_mgpu.callbacks import LearningRateWarmup, MemoryMonitor  # noqa: E402
+from keras_mgpu.callbacks import (  # noqa: E402
+    LearningRateWarmup,
+    MemoryMonitor,
+    ThroughputMonitor,
+)
 
 if args.quick:  # a toy BERT, to see every piece work in seconds
     SIZES = dict(
@@ -144,20 +150,36 @@ def build_classifier():
 # inside their scope.
 if BACKEND == "jax":
     devices = keras.distribution.list_devices()
-    scope = keras.distribution.DataParallel(devices=devices)
+    # Several devices: DataParallel. One device (one GPU): no distribution,
+    # since Keras 3.15's DataParallel over a single device compiles the
+    # train step again at the second step and at every epoch's first one
+    # (tests/test_keras_limits_jax.py), seconds of a BERT compile inside
+    # each epoch.
+    scope = (
+        keras.distribution.DataParallel(devices=devices)
+        if len(devices) > 1
+        else None
+    )
 else:
     devices = [d.name for d in tf.config.list_logical_devices("GPU")] or [
         d.name for d in tf.config.list_logical_devices("CPU")
     ]
     scope = tf.distribute.MirroredStrategy(devices)
 replicas = keras_mgpu.num_replicas_in_sync(scope)
+
+
+def in_scope():
+    """The strategy's or distribution's scope (nothing on one JAX device)."""
+    return scope.scope() if scope is not None else contextlib.nullcontext()
+
+
 print(f"backend: {keras.backend.backend()}")
 print(f"{replicas} replicas: {devices}")
 
 keras.utils.set_random_seed(0)
 x, y = make_data(SAMPLES)
 x_val, y_val = make_data(SAMPLES // 4, seed=1)
-with scope.scope():
+with in_scope():
     model = build_classifier()
     # In place: the encoder layers inside the backbone are switched to
     # recompute; `model` and its BertBackbone stay the same objects.
@@ -188,7 +210,7 @@ print(
 )
 updates_per_epoch = SAMPLES // (PER_REPLICA_BATCH * replicas)
 updates_per_epoch //= ACCUMULATION_STEPS
-with scope.scope():
+with in_scope():
     history = model.fit(
         x,
         y,
@@ -204,6 +226,9 @@ with scope.scope():
                 warmup_steps=max(1, EPOCHS * updates_per_epoch // 10)
             ),
             MemoryMonitor(),
+            # Samples and tokens per second, TFLOP/s per device and MFU
+            # (on a GPU the table knows), compile time left out.
+            ThroughputMonitor(token_input="token_ids", window_size=50),
         ],
     )
 print(f"updates: {int(keras.ops.convert_to_numpy(model.optimizer.iterations))}")
@@ -211,6 +236,15 @@ print(f"first epoch loss: {history.history['loss'][0]:.4f}")
 print(f"final loss: {history.history['loss'][-1]:.4f}")
 memory_keys = sorted(k for k in history.history if "mem" in k)
 print(f"memory keys: {', '.join(memory_keys)}")
+perf = {k: v[-1] for k, v in history.history.items() if k.startswith("perf/")}
+print(
+    f"last epoch: {perf['perf/samples_per_sec']:.1f} samples/s, "
+    f"{perf['perf/tokens_per_sec']:.0f} tokens/s, "
+    f"{perf['perf/tflops_per_device']:.4f} TFLOP/s per device, "
+    f"MFU {perf['perf/mfu']:.3f} (NaN without a known peak), "
+    f"compile {perf['perf/compile_seconds']:.1f} s in "
+    f"{perf['perf/compile_count']:.0f} compilation(s)"
+)
 if "val_accuracy" in history.history:
     accuracy = history.history["val_accuracy"][-1]
     print(f"final validation accuracy: {accuracy:.4f}")

@@ -121,6 +121,9 @@ def test_fine_tune_keras_hub(tmp_path):
     # 256 samples / 16 per micro-step / 4 per update, 2 epochs.
     assert _number(r"updates: (\d+)", out) == 8
     assert re.search(r"memory keys: mem/host_rss_mb", out)
+    # ThroughputMonitor's figures of the last epoch (no peak on a CPU).
+    assert _number(r"last epoch: ([\d.]+) samples/s", out) > 0
+    assert _number(r"samples/s, ([\d.]+) tokens/s", out) > 0
     first = _number(r"first epoch loss: ([\d.]+)", out)
     final = _number(r"final loss: ([\d.]+)", out)
     assert 0 < final < 1.0 and 0 < first < 1.0  # finite, near ln 2

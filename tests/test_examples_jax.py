@@ -41,3 +41,4 @@ def test_fine_tune_keras_hub_on_jax(tmp_path):
     # 256 samples / 16 per step = 16 micro-steps an epoch, 2 epochs, K=4.
     assert "updates: 8" in out
     assert re.search(r"memory keys: mem/host_rss_mb", out)
+    assert re.search(r"last epoch: \d+\.\d samples/s, \d+ tokens/s", out)

@@ -514,7 +514,13 @@ class ThroughputMonitor(*callback_bases()):
         )
         x = structure[0] if isinstance(structure, tuple) else structure
         if isinstance(x, dict) and name in x:
-            shape = getattr(x[name], "shape", None)
+            spec = x[name]
+            # Under a tf.distribute strategy: a PerReplicaSpec, one
+            # TensorSpec per local replica (the sequence axis is theirs).
+            value_specs = getattr(spec, "_value_specs", None)
+            if value_specs:
+                spec = value_specs[0]
+            shape = getattr(spec, "shape", None)
             return None if shape is None else tuple(shape)
         return None
 
