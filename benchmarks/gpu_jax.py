@@ -283,13 +283,22 @@ def _case_throughput(quick: bool) -> dict:
     out = {"case": "throughput", "batch": batch, "steps": steps, **size}
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-    def fit(label, optimizer, callbacks=()):
+    def fit(label, optimizer, callbacks=(), epochs=2, prepare=None):
         model, _ = _bert(keras, quick)
+        if prepare is not None:
+            prepare(model)
         model.compile(optimizer, loss)
-        seconds, _ = _timed_fit(model, x, y, batch, callbacks)
+        seconds, _ = _timed_fit(model, x, y, batch, callbacks, epochs=epochs)
         out[f"step_ms_{label}"] = round(seconds * 1e3, 3)
 
     fit("plain", keras.optimizers.SGD(1e-3))
+    # Keras 3.15's DataParallel over ONE device compiles the step again at
+    # the first step of epoch 2 (tests/test_keras_limits_jax.py): epoch 3
+    # has no compile in it, and neither has a fit without a distribution.
+    fit("plain_epoch3", keras.optimizers.SGD(1e-3), epochs=3)
+    keras.distribution.set_distribution(None)
+    fit("plain_no_distribution", keras.optimizers.SGD(1e-3))
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
     monitor = ThroughputMonitor(window_size=steps // 2, token_input="token_ids")
     fit("throughput_monitor", keras.optimizers.SGD(1e-3), [monitor])
     out["monitor"] = {k: float(f"{v:.4g}") for k, v in monitor.last.items()}
@@ -305,6 +314,32 @@ def _case_throughput(quick: bool) -> dict:
         [LearningRateWarmup(warmup_steps=steps)],
     )
     fit("memory_monitor", keras.optimizers.SGD(1e-3), [MemoryMonitor()])
+
+    def recompute_encoders(model):
+        import keras_hub
+
+        from keras_mgpu.layers import apply_recompute
+
+        apply_recompute(model, keras_hub.layers.TransformerEncoder)
+
+    fit(
+        "recompute_per_layer",
+        keras.optimizers.SGD(1e-3),
+        (),
+        3,
+        recompute_encoders,
+    )
+    # examples/fine_tune_keras_hub.py's setup, epoch 3 (no compile in it).
+    fit(
+        "example_setup_epoch3",
+        GradientAccumulationOptimizer(
+            keras.optimizers.AdamW(5e-5, weight_decay=0.01),
+            accumulation_steps=4,
+        ),
+        [LearningRateWarmup(warmup_steps=steps), MemoryMonitor()],
+        3,
+        recompute_encoders,
+    )
 
     # The hand-written loop: the same model's stateless call, SGD.
     model, _ = _bert(keras, quick)
