@@ -544,6 +544,12 @@ class GradientAccumulationOptimizer(
             # micro-steps set the averages there.
             if in_stateless_scope():
                 return
+        elif tf.inside_function():
+            # Built inside a traced step (the first `apply` of `fit`): the
+            # micro-steps set the averages there (`tf.cond` on the inner
+            # counter); lifted out of the trace, a read of a weight created
+            # by the same trace has no value yet (Keras's own EMA tests).
+            return
         with tf.init_scope() if TF_RUNS else contextlib.nullcontext():
             for variable in inner._trainable_variables:
                 pair = self._ema_pair(variable)
