@@ -189,9 +189,15 @@ def test_a_process_stalled_in_a_callback_is_named_within_the_timeout(
     out = stall_cluster["out"]
     assert waiter["returncode"] == EXIT_CODE, waiter["output"][-3000:]
     text = waiter["output"]
+    # Process 0 waits in step 3 or a later one: with Keras's asynchronous
+    # callback dispatch (kept on by every callback of ours) its host
+    # dispatches the next steps before step 3's all-reduce, which needs the
+    # stalled process, completes; how far it runs ahead is a race.
+    waited_in = re.search(r"waited \d+ s in train step (\d+) for", text)
+    assert waited_in and int(waited_in.group(1)) >= 3, text[-3000:]
     assert re.search(
         r"keras_mgpu WorkerWatchdog: process:0 \(.+, pid \d+\) waited \d+ s "
-        r"in train step 3 for missing worker\(s\): process:1 \(.+, pid \d+\)"
+        r"in train step \d+ for missing worker\(s\): process:1 \(.+, pid \d+\)"
         r": stalled in Python for \d+ s at .*jax_monitor_bodies\.py:\d+ in "
         r"on_train_batch_begin \(after train step 2\)\. Restart every "
         r"worker of the job",
@@ -219,7 +225,9 @@ def test_a_frozen_process_is_named_when_its_heartbeat_stops(freeze_cluster):
     assert survivor["returncode"] == EXIT_CODE, survivor["output"][-3000:]
     text = survivor["output"]
     assert re.search(
-        r"process:0 \(.+\) waited \d+ s in train step 3 for missing "
+        # Step 3 or later: asynchronous dispatch (see the stalled case).
+        r"process:0 \(.+\) waited \d+ s in train step (?:[3-9]|\d\d+) for "
+        r"missing "
         r"worker\(s\): process:1 \(.+, pid \d+\): no heartbeat for \d+ s "
         r"\(process killed, crashed or frozen\)",
         text,
