@@ -35,21 +35,27 @@ _COMPILE_KEYS = ("compile_seconds", "compile_count", "window_steps")
 _COMM_KEY = "comm_bytes_per_update"
 
 
-def _fit_epoch_iterator() -> Any:
-    """Keras's `EpochIterator` of the `fit` call in progress, found on the
-    stack (Keras 3.15: `fit` keeps it in its local `epoch_iterator`; its
-    `data_adapter` knows the batch size and the partial last batch). None
-    when not called from inside a Keras 3 `fit`."""
-    frame = sys._getframe(1)
+def _fit_local(name: str, attribute: str) -> Any:
+    """The local `name` of the `fit` call in progress, found on the stack
+    (within 40 frames), when it has `attribute`; else None."""
+    frame = sys._getframe(2)
     for _ in range(40):
         if frame is None:
             return None
         if frame.f_code.co_name == "fit":
-            iterator = frame.f_locals.get("epoch_iterator")
-            if iterator is not None and hasattr(iterator, "data_adapter"):
-                return iterator
+            value = frame.f_locals.get(name)
+            if value is not None and hasattr(value, attribute):
+                return value
         frame = frame.f_back
     return None
+
+
+def _fit_epoch_iterator() -> Any:
+    """Keras's `EpochIterator` of the `fit` call in progress (Keras 3.15:
+    `fit` keeps it in its local `epoch_iterator`; its `data_adapter` knows
+    the batch size and the partial last batch). None when not called from
+    inside a Keras 3 `fit`."""
+    return _fit_local("epoch_iterator", "data_adapter")
 
 
 class _TFKerasData:
@@ -69,19 +75,13 @@ class _TFKerasData:
 
 
 def _tf_keras_data() -> Any:
-    frame = sys._getframe(1)
-    for _ in range(40):
-        if frame is None:
-            return None
-        if frame.f_code.co_name == "fit":
-            handler = frame.f_locals.get("data_handler")
-            if handler is not None and hasattr(handler, "_adapter"):
-                try:
-                    return _TFKerasData(handler)
-                except Exception:  # noqa: BLE001 - another tf_keras layout
-                    return None
-        frame = frame.f_back
-    return None
+    handler = _fit_local("data_handler", "_adapter")
+    if handler is None:
+        return None
+    try:
+        return _TFKerasData(handler)
+    except Exception:  # noqa: BLE001 - another tf_keras layout
+        return None
 
 
 class _PeekIterator:

@@ -252,7 +252,10 @@ def compiled_train_step(
     import jax
     import keras
 
-    from keras_mgpu.backend.jax.compiled_memory import _abstract
+    from keras_mgpu.backend.jax.compiled_memory import (
+        abstract_input,
+        abstract_state,
+    )
 
     if getattr(model, "optimizer", None) is None or not model.optimizer.built:
         raise ValueError(
@@ -262,25 +265,13 @@ def compiled_train_step(
             f"Received: model={getattr(model, 'name', model)!r}"
         )
     distribution = keras.distribution.distribution()
-
-    def abstract_input(array: Any) -> Any:
-        sharding = None
-        if distribution is not None:
-            layout = distribution.get_data_layout(array.shape)
-            sharding = getattr(layout, "backend_layout", None)
-        return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=sharding)
-
-    state = tuple(
-        [_abstract(v.value) for v in variables]
-        for variables in (
-            model.trainable_variables,
-            model.non_trainable_variables,
-            model.optimizer.variables,
-            model.metrics_variables,
-        )
-    )
+    state = abstract_state(model)
     data = tuple(
-        None if part is None else keras.tree.map_structure(abstract_input, part)
+        None
+        if part is None
+        else keras.tree.map_structure(
+            lambda array: abstract_input(array, distribution), part
+        )
         for part in (x, y, sample_weight)
     )
     step = jax.jit(model.train_step, donate_argnums=0)

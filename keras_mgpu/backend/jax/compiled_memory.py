@@ -91,15 +91,7 @@ class StepMemory:
         import jax
 
         model = self.model
-        state = tuple(
-            [_abstract(v.value) for v in variables]
-            for variables in (
-                model.trainable_variables,
-                model.non_trainable_variables,
-                model.optimizer.variables,
-                model.metrics_variables,
-            )
-        )
+        state = abstract_state(model)
         batch = self.samples.batch(batch_size * self.data_parallel)
         data = tuple(
             None if part is None else _tree_map(self._abstract_input, part)
@@ -118,13 +110,7 @@ class StepMemory:
         )
 
     def _abstract_input(self, array: np.ndarray) -> Any:
-        import jax
-
-        sharding = None
-        if self.distribution is not None:
-            layout = self.distribution.get_data_layout(array.shape)
-            sharding = getattr(layout, "backend_layout", None)
-        return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=sharding)
+        return abstract_input(array, self.distribution)
 
     def confirm(self, batch_size: int) -> float:
         """Run `CONFIRM_STEPS` steps of `fit` on the copy at `batch_size`
@@ -174,6 +160,31 @@ def _abstract(value: Any) -> Any:
     return jax.ShapeDtypeStruct(
         value.shape, value.dtype, sharding=getattr(value, "sharding", None)
     )
+
+
+def abstract_state(model: Any) -> tuple:
+    """The state Keras's JAX train step takes (trainable, non-trainable,
+    optimizer and metrics variables), as shapes, dtypes and shardings."""
+    return tuple(
+        [_abstract(v.value) for v in variables]
+        for variables in (
+            model.trainable_variables,
+            model.non_trainable_variables,
+            model.optimizer.variables,
+            model.metrics_variables,
+        )
+    )
+
+
+def abstract_input(array: Any, distribution: Any) -> Any:
+    """One input array as the distribution lays out a batch of it."""
+    import jax
+
+    sharding = None
+    if distribution is not None:
+        layout = distribution.get_data_layout(array.shape)
+        sharding = getattr(layout, "backend_layout", None)
+    return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=sharding)
 
 
 def _tree_map(function: Any, structure: Any) -> Any:
