@@ -15,6 +15,7 @@ by tests that run in a process of their own (`tests/_processes.py`).
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -23,9 +24,13 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 
 import pytest  # noqa: E402
 
-# Each backend runs in pytest processes of its own (tests/run_suite.py):
-# KERAS_BACKEND=jax collects only the `test_*_jax.py` modules (they mirror the
-# package layout beside the TensorFlow tests); the TensorFlow runs skip them.
+# Each backend runs in pytest processes of its own (tests/run_suite.py). A
+# test is written once: a module that declares
+# `pytestmark = pytest.mark.backends("tensorflow", "jax")` is collected by
+# both backends' jobs, and a test in it marked `@pytest.mark.backends("jax")`
+# (or "tensorflow") runs in that job only. Without the declaration a module
+# is one backend's: `test_*_jax.py` JAX's, the others TensorFlow's (and
+# tf_keras's, under tests/legacy).
 BACKEND = os.environ["KERAS_BACKEND"]
 NUM_LOGICAL_CPUS = 4
 
@@ -52,14 +57,54 @@ else:
         )
 
 
+BACKENDS = ("tensorflow", "jax")
+_MODULE_BACKENDS = re.compile(
+    r"^pytestmark\s*=.*?mark\.backends\(([^)]*)\)", re.MULTILINE | re.DOTALL
+)
+
+
+def module_backends(path) -> tuple:
+    """The backends whose jobs collect the test module at `path`: those its
+    module-level `pytestmark = pytest.mark.backends(...)` names (read from
+    the source, so the other backend's job never imports it), else JAX for
+    `test_*_jax.py` and TensorFlow for the others."""
+    with open(path, encoding="utf-8") as f:
+        match = _MODULE_BACKENDS.search(f.read())
+    if match is not None:
+        named = tuple(re.findall(r"[\"'](\w+)[\"']", match.group(1)))
+        unknown = set(named) - set(BACKENDS)
+        if not named or unknown:
+            raise ValueError(
+                f"{path}: pytest.mark.backends names {named!r}; allowed: "
+                f"one or more of {BACKENDS}."
+            )
+        return named
+    return ("jax",) if str(path).endswith("_jax.py") else ("tensorflow",)
+
+
 def pytest_ignore_collect(collection_path, config):
-    """One backend's test modules per process: `*_jax.py` on JAX only."""
+    """One backend's test modules per process (see `module_backends`)."""
     name = collection_path.name
     if not (name.startswith("test_") and name.endswith(".py")):
         return None
-    if name.endswith("_jax.py") != (BACKEND == "jax"):
+    if BACKEND not in module_backends(collection_path):
         return True
     return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `backends(...)` without this job's backend are
+    deselected (not skipped: they belong to the other job)."""
+    kept, dropped = [], []
+    for item in items:
+        marker = item.get_closest_marker("backends")
+        if marker is None or BACKEND in marker.args:
+            kept.append(item)
+        else:
+            dropped.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -1,5 +1,5 @@
-"""EMA when `fit` ends inside an accumulation window, on TensorFlow (the
-bodies are shared with JAX: `ema_window_bodies.py`)."""
+"""EMA when `fit` ends inside an accumulation window, on each backend (the
+bodies: `ema_window_bodies.py`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from ema_window_bodies import (
     check_fits_ending_inside_windows,
     check_weights_set_inside_the_first_window,
 )
+
+pytestmark = pytest.mark.backends("tensorflow", "jax")
 
 
 @pytest.mark.parametrize("micro_steps", MICRO_STEPS)
@@ -25,6 +27,7 @@ def test_weights_set_inside_the_first_window():
     check_weights_set_inside_the_first_window()
 
 
+@pytest.mark.backends("tensorflow")
 def test_fit_ending_inside_the_first_window_under_mirrored():
     # The averages follow the weights in cross-replica context there.
     from conftest import make_strategy
