@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from typing import Any
 
 from keras_mgpu._flavour import (
@@ -155,57 +156,29 @@ def _strategy_scope_of(variable: Any):
 # ---------------------------------------------------------------------------
 
 
-class _TensorFlowOps:
-    """The `keras.ops` names the window's math uses, for tf_keras."""
-
-    @staticmethod
-    def convert_to_tensor(x):
-        return tf.convert_to_tensor(x)
-
-    @staticmethod
-    def copy(x):
-        return tf.identity(x)
-
-    @staticmethod
-    def size(x):
-        return tf.size(x)
-
-    @staticmethod
-    def cast(x, dtype):
-        return tf.cast(x, dtype)
-
-    @staticmethod
-    def sum(x):
-        return tf.reduce_sum(x)
-
-    @staticmethod
-    def maximum(x, y):
-        return tf.maximum(x, y)
-
-    @staticmethod
-    def square(x):
-        return tf.square(x)
-
-    @staticmethod
-    def where(condition, x, y):
-        return tf.where(condition, x, y)
-
-    @staticmethod
-    def logical_and(x, y):
-        return tf.logical_and(x, y)
-
-    @staticmethod
-    def ones_like(x):
-        return tf.ones_like(x)
-
-    @staticmethod
-    def zeros_like(x):
-        return tf.zeros_like(x)
+@functools.cache
+def _tensorflow_ops() -> Any:
+    """The `keras.ops` names the window's math uses, for tf_keras: one
+    table naming TensorFlow's op for each (built on first use, so a process
+    where TensorFlow does not run never touches it)."""
+    return types.SimpleNamespace(
+        convert_to_tensor=tf.convert_to_tensor,
+        copy=tf.identity,
+        size=tf.size,
+        cast=tf.cast,
+        sum=tf.reduce_sum,
+        maximum=tf.maximum,
+        square=tf.square,
+        where=tf.where,
+        logical_and=tf.logical_and,
+        ones_like=tf.ones_like,
+        zeros_like=tf.zeros_like,
+    )
 
 
 def _ops_of(layer: Any) -> Any:
     if flavour_of(layer) == "tf_keras":
-        return _TensorFlowOps
+        return _tensorflow_ops()
     import keras as keras3
 
     return keras3.ops
