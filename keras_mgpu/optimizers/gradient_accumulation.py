@@ -22,7 +22,6 @@ from keras_mgpu._flavour import (
     register_serializable,
     tf,
 )
-from keras_mgpu._validation import check_int
 from keras_mgpu.backend import (
     ON_JAX_NO_COMPRESSION,
     require_backend,
@@ -39,14 +38,11 @@ from keras_mgpu.optimizers._accumulation_common import (
     all_finite,
     all_reduce_sum,
     assign_compression_state,
-    check_compression,
     check_inner_is_not_a_wrapper,
-    check_momentum_correction,
     divide_gradient,
     is_sparse,
     overwrites_with_gradient,
     reduce_before_the_inner,
-    reject_wrapper_arguments,
     scatter_add_locally,
     touched_rows,
     variable_name,
@@ -411,48 +407,30 @@ class GradientAccumulationOptimizer(
     import keras
     import keras_mgpu
 
-    distribution = keras.distribution.DataParallel()
-    with distribution.scope():
+    with keras.distribution.DataParallel().scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile(
-            optimizer=keras_mgpu.GradientAccumulationOptimizer(
-                keras.optimizers.Adam(1e-3), accumulation_steps=4
-            ),
-            loss="mse",
-        )
+        inner = keras.optimizers.Adam(1e-3)
+        optimizer = keras_mgpu.GradientAccumulationOptimizer(inner, 4)
+        model.compile(optimizer=optimizer, loss="mse")
     ```
     """
 
-    def __init__(
-        self,
-        inner_optimizer: keras.optimizers.Optimizer,
-        accumulation_steps: int,
-        *,
-        name: str | None = None,
-        momentum_correction: bool = False,
-        compression: Any = None,
-        **kwargs: Any,
-    ) -> None:
+    _INNER_ONLY_ARGUMENTS = _INNER_ONLY_ARGUMENTS
+
+    # The constructor is `AccumulationProtocol.__init__`; these are its
+    # Keras 3 hooks.
+    def _drop_arguments(self, kwargs: dict) -> None:
         require_backend("GradientAccumulationOptimizer")
-        reject_wrapper_arguments(kwargs, _INNER_ONLY_ARGUMENTS)
-        accumulation_steps = check_int(
-            accumulation_steps, "accumulation_steps", minimum=1
-        )
-        self._check_inner(inner_optimizer)
-        momentum_correction = check_momentum_correction(
-            momentum_correction, inner_optimizer
-        )
+
+    def _check_compression(self, compression: Any) -> Any:
         if TF_RUNS:
-            compression = check_compression(
-                compression, tf.distribute.get_strategy()
-            )
-        else:
-            compression = _check_jax_compression(compression)
-        super().__init__(learning_rate=0.0, name=name)
-        self.momentum_correction = momentum_correction
-        self.compression = compression
-        self.inner_optimizer = inner_optimizer
-        self.accumulation_steps = accumulation_steps
+            return super()._check_compression(compression)
+        return _check_jax_compression(compression)
+
+    def _init_base(self, name: str | None) -> None:
+        keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
+
+    def _take_over_from_inner(self, inner_optimizer: Any) -> None:
         # Loss scaling belongs to the outermost optimizer, as with
         # LossScaleOptimizer: take the inner's factor over so gradients are
         # unscaled once, before they are accumulated.
@@ -508,15 +486,7 @@ class GradientAccumulationOptimizer(
             return
         # The wrapper's own `_iterations` counts micro-steps.
         self._add_counters("int64")
-        self._accumulators = [
-            self._add_accumulator(variable) for variable in var_list
-        ]
-        # Created for every replica count (one replica does not compress),
-        # so that checkpoints move between replica counts.
-        self._compression_states = [
-            self._add_compression_state(variable, index)
-            for index, variable in enumerate(var_list)
-        ]
+        self._add_slots(var_list)
         # Under CentralStorageStrategy (and parameter servers) an `ON_READ`
         # variable is one `AggregatingVariable` on the parameter device:
         # replicas' writes are summed into it, so every replica reads the
@@ -629,22 +599,8 @@ class GradientAccumulationOptimizer(
             per_replica=not overwrites_with_gradient(reference),
         )
 
-    def _add_compression_state(self, reference: Any, index: int) -> tuple:
-        """The state variables the compression method keeps for
-        `reference` (e.g. PowerSGD's residual and factor), or ()."""
-        if self.compression is None:
-            return ()
-        prefix = variable_name(reference).replace("/", "_")
-        return tuple(
-            self._add_replica_local(
-                reference,
-                f"{prefix}_{spec.name}",
-                shape=spec.shape,
-                per_replica=spec.per_replica,
-                initial_value=spec.initial_value,
-            )
-            for spec in self.compression.state_specs(reference, index)
-        )
+    def _slot_prefix(self, reference: Any) -> str:
+        return variable_name(reference).replace("/", "_")
 
     def _add_replica_local(
         self,
