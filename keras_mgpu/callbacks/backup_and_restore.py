@@ -11,6 +11,7 @@ import tempfile
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from keras_mgpu._flavour import _tf_keras_if_installed, object_flavour
@@ -648,32 +649,27 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         identity = _sha256_words(
             json.dumps(metadata, sort_keys=True) if metadata else ""
         )
-        rows = _gather_rows(
+        _agree(
             strategy,
-            [float(error is None), float(metadata is not None), *identity],
-        )
-        failed = [r for r in range(len(rows)) if rows[r, 0] == 0]
-        if failed:
-            raise ValueError(
-                f"{_workers(failed)} cannot read the backup's metadata "
-                f"{os.path.join(self.backup_dir, _METADATA)!r}"
-                + (f" ({error})" if error else "")
-                + ". Fix or delete it: no worker starts training."
-            )
-        if len({tuple(r[1:]) for r in rows}) > 1:
-            described = ", ".join(
-                f"worker {r}: "
-                + ("no backup" if rows[r, 1] == 0 else "a backup")
-                + f" ({_hex(rows[r, 2:])})"
-                for r in range(len(rows))
-            )
-            raise ValueError(
+            error,
+            [float(metadata is not None), *identity],
+            "cannot read the backup's metadata "
+            f"{os.path.join(self.backup_dir, _METADATA)!r}",
+            "Fix or delete it: no worker starts training.",
+            differ=lambda rows: (
                 "The workers see different backups in backup_dir="
-                f"{self.backup_dir!r} ({described}). Under multi-worker "
-                "training, backup_dir must be storage every worker reaches "
-                "(a shared file system or a bucket): the chief writes it, "
-                "every worker restores from it."
-            )
+                f"{self.backup_dir!r} ("
+                + ", ".join(
+                    f"worker {r}: "
+                    + ("no backup" if rows[r, 1] == 0 else "a backup")
+                    + f" ({_hex(rows[r, 2:])})"
+                    for r in range(len(rows))
+                )
+                + "). Under multi-worker training, backup_dir must be "
+                "storage every worker reaches (a shared file system or a "
+                "bucket): the chief writes it, every worker restores from it."
+            ),
+        )
         if metadata is None:
             return
         self._check_cluster_shape(metadata)
@@ -724,29 +720,24 @@ class BackupAndRestore(_keras3_base(), *_tf_keras_callback_base()):
         # and a digest of the weights it holds now (computed whether the
         # load worked or not, so every worker reaches the all-reduce).
         error = self._load(chosen)
-        rows = _gather_rows(
+        _agree(
             strategy,
-            [float(error is None), *_sha256_words(_weights_bytes(model))],
-        )
-        failed = [r for r in range(len(rows)) if rows[r, 0] == 0]
-        if failed:
-            raise ValueError(
-                f"{_workers(failed)} could not load {chosen['weights']!r} "
-                f"from backup_dir={self.backup_dir!r}"
-                + (f" ({error})" if error else "")
-                + ". No worker starts training."
-            )
-        if len({tuple(r[1:]) for r in rows}) > 1:
-            described = ", ".join(
-                f"worker {r}: {_hex(rows[r, 1:])}" for r in range(len(rows))
-            )
-            raise ValueError(
+            error,
+            _sha256_words(_weights_bytes(model)),
+            f"could not load {chosen['weights']!r} "
+            f"from backup_dir={self.backup_dir!r}",
+            "No worker starts training.",
+            differ=lambda rows: (
                 "The workers loaded different weights from "
                 f"{chosen['weights']!r} in backup_dir={self.backup_dir!r} "
-                f"(digests of the loaded weights: {described}): the file "
-                "changed while they read it, or the model differs between "
-                "workers. No worker starts training."
-            )
+                "(digests of the loaded weights: "
+                + ", ".join(
+                    f"worker {r}: {_hex(rows[r, 1:])}" for r in range(len(rows))
+                )
+                + "): the file changed while they read it, or the model "
+                "differs between workers. No worker starts training."
+            ),
+        )
         self._known = {k: v for k, v in chosen.items() if k != "previous"}
         self._resume_at(chosen)
 
@@ -1075,6 +1066,31 @@ def _processes(ranks: list[int]) -> str:
     return ("process " if len(ranks) == 1 else "processes ") + ", ".join(
         str(r) for r in ranks
     )
+
+
+def _agree(
+    strategy: Any,
+    error: str | None,
+    identity: list[float],
+    failure: str,
+    remedy: str,
+    differ: Callable[[Any], str],
+) -> None:
+    """Gather every worker's `error` (None: it succeeded) and `identity`
+    (one row each: success, then the identity) and raise the same
+    ValueError on every worker where one failed ("worker 1 <failure> (this
+    worker's error). <remedy>") or the identities differ (`differ(rows)`),
+    so that every worker starts training, or none."""
+    rows = _gather_rows(strategy, [float(error is None), *identity])
+    failed = [r for r in range(len(rows)) if rows[r, 0] == 0]
+    if failed:
+        raise ValueError(
+            f"{_workers(failed)} {failure}"
+            + (f" ({error})" if error else "")
+            + f". {remedy}"
+        )
+    if len({tuple(r[1:]) for r in rows}) > 1:
+        raise ValueError(differ(rows))
 
 
 def _hex(words: Any) -> str:
