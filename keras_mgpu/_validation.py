@@ -108,6 +108,17 @@ def check_bool(value: object, argument: str, allow_none: bool = False):
     )
 
 
+def check_at_most_one(first: tuple[str, object], second: tuple[str, object]):
+    """Raise a `ValueError` naming both arguments when both of the
+    `(argument, value)` pairs are given (not None)."""
+    (a, a_value), (b, b_value) = first, second
+    if a_value is not None and b_value is not None:
+        raise ValueError(
+            f"Pass at most one of `{a}` and `{b}`. Received: "
+            f"{a}={a_value!r}, {b}={b_value!r}"
+        )
+
+
 def renamed_argument(
     owner: str,
     deprecated: dict,

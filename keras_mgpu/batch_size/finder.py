@@ -11,7 +11,7 @@ import numpy as np
 
 from keras_mgpu import backend
 from keras_mgpu._flavour import tf
-from keras_mgpu._validation import check_int, check_number
+from keras_mgpu._validation import check_at_most_one, check_int, check_number
 from keras_mgpu.backend import require_backend
 from keras_mgpu.batch_size import memory_probe as probe_module
 from keras_mgpu.batch_size._settings import ProbeSettings
@@ -332,12 +332,10 @@ def _check_arguments(
         exclusive_minimum=True,
         allow_none=True,
     )
-    if memory_fraction is not None and memory_budget_mb is not None:
-        raise ValueError(
-            "Pass at most one of `memory_fraction` and `memory_budget_mb`. "
-            f"Received: memory_fraction={memory_fraction}, "
-            f"memory_budget_mb={memory_budget_mb}"
-        )
+    check_at_most_one(
+        ("memory_fraction", memory_fraction),
+        ("memory_budget_mb", memory_budget_mb),
+    )
     check_int(max_batch_size, "max_batch_size", minimum=1, allow_none=True)
     check_int(multiple_of, "multiple_of", minimum=1)
     if max_batch_size is not None and max_batch_size < multiple_of:

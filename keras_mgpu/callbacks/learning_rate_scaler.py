@@ -8,6 +8,7 @@ from typing import Any
 from keras_mgpu import backend
 from keras_mgpu._flavour import callback_bases
 from keras_mgpu._validation import (
+    check_at_most_one,
     check_choice,
     check_int,
     reject_unknown,
@@ -128,12 +129,10 @@ class LearningRateScaler(*callback_bases()):
             minimum=1,
             allow_none=True,
         )
-        if batch_size is not None and per_replica_batch_size is not None:
-            raise ValueError(
-                "Pass at most one of `batch_size` and "
-                f"`per_replica_batch_size`. Received: batch_size={batch_size}"
-                f", per_replica_batch_size={per_replica_batch_size}"
-            )
+        check_at_most_one(
+            ("batch_size", batch_size),
+            ("per_replica_batch_size", per_replica_batch_size),
+        )
         self.scaling_rule = check_choice(
             scaling_rule, "scaling_rule", SCALING_RULES
         )
