@@ -34,7 +34,12 @@ class EpochMonitorMixin:
         messages); `deprecated` is the caller's `**deprecated` keywords."""
         self._backend_name = require_backend(owner)
         update_freq, log_every_n_batches = monitor_update_freq(
-            owner, update_freq, deprecated
+            # One frame more than a call from the monitor's `__init__`: the
+            # warning still points at the user's line.
+            owner,
+            update_freq,
+            deprecated,
+            stacklevel=5,
         )
         self.update_freq = update_freq
         # Batches between batch-level logs; 0: per epoch only.
