@@ -108,6 +108,17 @@ def check_bool(value: object, argument: str, allow_none: bool = False):
     )
 
 
+def check_at_most_one(first: tuple[str, object], second: tuple[str, object]):
+    """Raise a `ValueError` naming both arguments when both of the
+    `(argument, value)` pairs are given (not None)."""
+    (a, a_value), (b, b_value) = first, second
+    if a_value is not None and b_value is not None:
+        raise ValueError(
+            f"Pass at most one of `{a}` and `{b}`. Received: "
+            f"{a}={a_value!r}, {b}={b_value!r}"
+        )
+
+
 def renamed_argument(
     owner: str,
     deprecated: dict,
@@ -164,7 +175,7 @@ def check_update_freq(value: object, argument: str = "update_freq") -> int:
 
 
 def monitor_update_freq(
-    owner: str, update_freq: object, deprecated: dict
+    owner: str, update_freq: object, deprecated: dict, stacklevel: int = 4
 ) -> tuple[object, int]:
     """A monitor's `update_freq` and the batches between its batch-level
     logs (0: per epoch only), taking the pre-0.2 `log_every_n_batches` (0
@@ -180,7 +191,9 @@ def monitor_update_freq(
         "update_freq",
         update_freq,
         "epoch",
-        stacklevel=4,  # the user's line that built the monitor
+        # The user's line that built the monitor: 4 where the monitor's
+        # `__init__` calls this function itself.
+        stacklevel=stacklevel,
     )
     reject_unknown(owner, deprecated)
     return update_freq, check_update_freq(update_freq)

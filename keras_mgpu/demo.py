@@ -673,12 +673,27 @@ def _callbacks(config: DemoConfig, paths: _Paths, steps_per_epoch: int) -> list:
     return callbacks
 
 
-def _fit_collecting_notes(model: Any, fit_kwargs: dict) -> tuple:
-    """`model.fit(**fit_kwargs)`; returns (history, seconds, monitor notes).
+def _fit_run(
+    model: Any,
+    fit_kwargs: dict,
+    config: DemoConfig,
+    paths: _Paths,
+    steps_per_epoch: int,
+    facts: dict,
+) -> dict:
+    """`model.fit(**fit_kwargs)` with the demo's callbacks, silently; returns
+    the run's record: the logs, `facts` (what the backend's path knows:
+    replicas, distribution, images, ...), the updates made, the training
+    seconds and the monitors' notes.
 
     The monitors' warnings (no NVML, CPU-only figures) become one-line
     notes under the summary instead of tracebacks in the middle of it.
     """
+    fit_kwargs = dict(
+        fit_kwargs,
+        callbacks=_callbacks(config, paths, steps_per_epoch),
+        verbose=0,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train_start = time.perf_counter()
@@ -690,7 +705,13 @@ def _fit_collecting_notes(model: Any, fit_kwargs: dict) -> tuple:
             text = str(warning.message).split(". ")[0].rstrip(".") + "."
             if text not in notes:
                 notes.append(text)
-    return history, train_seconds, notes
+    return {
+        "logs": history.history,
+        **facts,
+        "updates": int(np.asarray(model.optimizer.iterations)),
+        "train_seconds": train_seconds,
+        "notes": notes,
+    }
 
 
 def _summary(
@@ -854,30 +875,25 @@ def _train_on_tensorflow(
         config, batch_by_memory = _batch_by_memory(config, strategy, data)
     train, test, steps_per_epoch = _datasets(config, replicas, data)
     model, examples_per_update = _compiled_model(config, strategy)
-    history, train_seconds, notes = _fit_collecting_notes(
+    run = _fit_run(
         model,
-        dict(
-            x=train,
-            epochs=config.epochs,
-            validation_data=test,
-            callbacks=_callbacks(config, paths, steps_per_epoch),
-            verbose=0,
-        ),
+        dict(x=train, epochs=config.epochs, validation_data=test),
+        config,
+        paths,
+        steps_per_epoch,
+        {
+            "replicas": replicas,
+            "distribution": (
+                "apply_placement"
+                if config.model_parallel
+                else "MirroredStrategy"
+            ),
+            "examples_per_update": examples_per_update,
+            "test_images": len(data[2]),
+            "train_images": steps_per_epoch * config.batch_size * replicas,
+            "batch_by_memory": batch_by_memory,
+        },
     )
-    run = {
-        "logs": history.history,
-        "replicas": replicas,
-        "distribution": (
-            "apply_placement" if config.model_parallel else "MirroredStrategy"
-        ),
-        "examples_per_update": examples_per_update,
-        "updates": int(model.optimizer.iterations.numpy()),
-        "test_images": len(data[2]),
-        "train_images": steps_per_epoch * config.batch_size * replicas,
-        "train_seconds": train_seconds,
-        "notes": notes,
-        "batch_by_memory": batch_by_memory,
-    }
     return config, model, run
 
 
@@ -915,7 +931,7 @@ def _train_on_jax(
     x_test, y_test = x_test[:test_keep], y_test[:test_keep]
     with distribution.scope():
         model, examples_per_update = _compiled_model(config, distribution)
-        history, train_seconds, notes = _fit_collecting_notes(
+        run = _fit_run(
             model,
             dict(
                 x=x_train,
@@ -925,24 +941,21 @@ def _train_on_jax(
                 shuffle=True,
                 validation_data=(x_test, y_test),
                 validation_batch_size=step_batch,
-                callbacks=_callbacks(config, paths, steps_per_epoch),
-                verbose=0,
             ),
+            config,
+            paths,
+            steps_per_epoch,
+            {
+                "replicas": replicas,
+                "distribution": "keras.distribution.DataParallel",
+                "examples_per_update": examples_per_update,
+                "test_images": test_keep,
+                "train_images": keep,
+                "batch_by_memory": None,
+            },
         )
-    run = {
-        "logs": history.history,
-        "replicas": replicas,
-        "distribution": "keras.distribution.DataParallel",
-        "examples_per_update": examples_per_update,
-        "updates": int(np.asarray(model.optimizer.iterations)),
-        "test_images": test_keep,
-        "train_images": keep,
-        "train_seconds": train_seconds,
-        "notes": notes,
-        "batch_by_memory": None,
-        # Nothing on this path needs it; a component that imports it shows.
-        "tensorflow_imported": "tensorflow" in sys.modules,
-    }
+    # Nothing on this path needs it; a component that imports it shows.
+    run["tensorflow_imported"] = "tensorflow" in sys.modules
     return config, model, run
 
 

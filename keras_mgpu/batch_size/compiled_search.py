@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from keras_mgpu.batch_size import memory_probe as probe_module
+from keras_mgpu.batch_size._settings import ProbeSettings
 from keras_mgpu.batch_size.samples import SampleBatches
 from keras_mgpu.batch_size.search import (
     BudgetTooSmall,
@@ -194,42 +195,33 @@ def budget_on_jax(
     )
 
 
-def probe_compiled(
-    model: Any,
-    data: Any,
-    *,
-    memory_fraction: float | None,
-    max_batch_size: int | None,
-    device: str | None,
-    memory_budget_mb: float | None,
-    multiple_of: int,
-    strategy: Any,
-    max_trials: int,
-    verbose: int,
-    accumulate: bool,
-    safety_margin: float | None = None,
-) -> Any:
-    """`finder.probe_batch_size` on the JAX backend (arguments checked).
-    `safety_margin` None keeps none: the compiled need does not vary from
-    step to step."""
+def probe_compiled(model: Any, data: Any, settings: ProbeSettings) -> Any:
+    """`finder.probe_batch_size` on the JAX backend (`settings` checked).
+    `settings.safety_margin` None keeps none: the compiled need does not
+    vary from step to step."""
     from keras_mgpu.backend.jax import compiled_memory
     from keras_mgpu.backend.jax.distribution import data_parallel_size
     from keras_mgpu.batch_size.result import MB, BatchSizeResult, _explained
 
-    distribution = check_distribution(strategy)
+    distribution = check_distribution(settings.strategy)
     replicas = data_parallel_size(distribution)
-    blueprint = probe_module.ModelBlueprint(model, accumulate=accumulate)
+    blueprint = probe_module.ModelBlueprint(
+        model, accumulate=settings.accumulate
+    )
     samples = SampleBatches(data)
     budget_mb, source, named = budget_on_jax(
-        distribution, device, memory_fraction, memory_budget_mb
+        distribution,
+        settings.device,
+        settings.memory_fraction,
+        settings.memory_budget_mb,
     )
-    margin = safety_margin or 0.0
+    margin = settings.safety_margin or 0.0
     search_budget = budget_mb * (1 - margin)
     start = time.perf_counter()
     memory = compiled_memory.StepMemory(
         blueprint, samples, distribution, replicas
     )
-    memory.open(multiple_of)
+    memory.open(settings.multiple_of)
     try:
 
         def measure(batch: int) -> float:
@@ -237,14 +229,22 @@ def probe_compiled(
 
         try:
             outcome = search_compiled(
-                measure, search_budget, max_batch_size, multiple_of, max_trials
+                measure,
+                search_budget,
+                settings.max_batch_size,
+                settings.multiple_of,
+                settings.max_trials,
             )
         except BudgetTooSmall as exc:
             raise _explained(
-                exc, memory_fraction, memory_budget_mb, source, margin=margin
+                exc,
+                settings.memory_fraction,
+                settings.memory_budget_mb,
+                source,
+                margin=margin,
             ) from None
         best, upper, limited_by, seconds = _confirmed(
-            memory, outcome, multiple_of, search_budget
+            memory, outcome, settings.multiple_of, search_budget
         )
     finally:
         memory.close()
@@ -270,7 +270,7 @@ def probe_compiled(
         safety_margin=margin,
         measured_by="compiled",
     )
-    if verbose:
+    if settings.verbose:
         print(result.explain())
     return result
 

@@ -10,6 +10,7 @@ from typing import Any
 from keras_mgpu._flavour import flavour_of, keras_of, tf
 from keras_mgpu._validation import check_choice, check_int, check_number
 from keras_mgpu.backend import require_backend
+from keras_mgpu.batch_size._settings import ProbeSettings
 from keras_mgpu.batch_size.finder import (
     BatchSizeResult,
     check_safety_margin,
@@ -173,16 +174,18 @@ def configure_batch(
     search = probe_batch_size(
         model,
         data,
-        memory_fraction=memory_fraction,
-        max_batch_size=max(cap, multiple_of),
-        device=device,
-        memory_budget_mb=memory_budget_mb,
-        multiple_of=multiple_of,
-        strategy=strategy,
-        max_trials=DEFAULT_MAX_TRIALS,
-        verbose=0,
-        accumulate=True,
-        safety_margin=safety_margin,
+        ProbeSettings(
+            memory_fraction=memory_fraction,
+            max_batch_size=max(cap, multiple_of),
+            device=device,
+            memory_budget_mb=memory_budget_mb,
+            multiple_of=multiple_of,
+            strategy=strategy,
+            max_trials=DEFAULT_MAX_TRIALS,
+            verbose=0,
+            accumulate=True,
+            safety_margin=safety_margin,
+        ),
     )
     plan = plan_batch(
         global_batch_size,

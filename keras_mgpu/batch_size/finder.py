@@ -3,6 +3,7 @@ a memory budget, measured on a copy of the model."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -10,9 +11,10 @@ import numpy as np
 
 from keras_mgpu import backend
 from keras_mgpu._flavour import tf
-from keras_mgpu._validation import check_int, check_number
+from keras_mgpu._validation import check_at_most_one, check_int, check_number
 from keras_mgpu.backend import require_backend
 from keras_mgpu.batch_size import memory_probe as probe_module
+from keras_mgpu.batch_size._settings import ProbeSettings
 from keras_mgpu.batch_size.result import (
     MB,
     MIN_SAFETY_MARGIN,
@@ -204,48 +206,7 @@ def find_batch_size(
     return probe_batch_size(
         model,
         data,
-        memory_fraction=memory_fraction,
-        max_batch_size=max_batch_size,
-        device=device,
-        memory_budget_mb=memory_budget_mb,
-        multiple_of=multiple_of,
-        strategy=strategy,
-        max_trials=max_trials,
-        verbose=verbose,
-        accumulate=False,
-        safety_margin=safety_margin,
-    )
-
-
-def probe_batch_size(
-    model: Any,
-    data: Any,
-    *,
-    memory_fraction: float | None,
-    max_batch_size: int | None,
-    device: str | None,
-    memory_budget_mb: float | None,
-    multiple_of: int,
-    strategy: Any,
-    max_trials: int,
-    verbose: int,
-    accumulate: bool,
-    safety_margin: float | None = None,
-) -> BatchSizeResult:
-    """`find_batch_size`, optionally with the copy's optimizer wrapped in
-    `GradientAccumulationOptimizer` (`accumulate`, for `configure_batch`)."""
-    _check_arguments(
-        memory_fraction, memory_budget_mb, max_batch_size, multiple_of
-    )
-    safety_margin = check_safety_margin(safety_margin)
-    max_trials = check_int(max_trials, "max_trials", minimum=3)
-    verbose = check_int(verbose, "verbose", minimum=0)
-    if backend.is_jax():
-        from keras_mgpu.batch_size.compiled_search import probe_compiled
-
-        return probe_compiled(
-            model,
-            data,
+        ProbeSettings(
             memory_fraction=memory_fraction,
             max_batch_size=max_batch_size,
             device=device,
@@ -254,24 +215,54 @@ def probe_batch_size(
             strategy=strategy,
             max_trials=max_trials,
             verbose=verbose,
-            accumulate=accumulate,
+            accumulate=False,
             safety_margin=safety_margin,
-        )
-    strategy = current_strategy(
-        strategy or getattr(model, "distribute_strategy", None)
+        ),
     )
-    blueprint = probe_module.ModelBlueprint(model, accumulate=accumulate)
+
+
+def probe_batch_size(
+    model: Any, data: Any, settings: ProbeSettings
+) -> BatchSizeResult:
+    """`find_batch_size` with `settings` (checked here, once for both
+    backends), optionally with the copy's optimizer wrapped in
+    `GradientAccumulationOptimizer` (`settings.accumulate`, for
+    `configure_batch`)."""
+    _check_arguments(
+        settings.memory_fraction,
+        settings.memory_budget_mb,
+        settings.max_batch_size,
+        settings.multiple_of,
+    )
+    settings = dataclasses.replace(
+        settings,
+        safety_margin=check_safety_margin(settings.safety_margin),
+        max_trials=check_int(settings.max_trials, "max_trials", minimum=3),
+        verbose=check_int(settings.verbose, "verbose", minimum=0),
+    )
+    if backend.is_jax():
+        from keras_mgpu.batch_size.compiled_search import probe_compiled
+
+        return probe_compiled(model, data, settings)
+    strategy = current_strategy(
+        settings.strategy or getattr(model, "distribute_strategy", None)
+    )
+    blueprint = probe_module.ModelBlueprint(
+        model, accumulate=settings.accumulate
+    )
     samples = SampleBatches(data)
     reader = probe_module.memory_reader()
-    device = _probe_device(strategy, device, reader)
+    device = _probe_device(strategy, settings.device, reader)
     budget_mb, source = _budget(
-        device, memory_fraction, memory_budget_mb, reader
+        device, settings.memory_fraction, settings.memory_budget_mb, reader
     )
     search_margin = (
-        MIN_SAFETY_MARGIN if safety_margin is None else safety_margin
+        MIN_SAFETY_MARGIN
+        if settings.safety_margin is None
+        else settings.safety_margin
     )
     confirm_budget = None
-    if safety_margin is None:
+    if settings.safety_margin is None:
 
         def confirm_budget(measurement, fixed_mb):
             return budget_mb - default_margin_mb(
@@ -288,9 +279,9 @@ def probe_batch_size(
                 reader,
                 (
                     budget_mb * (1 - search_margin),
-                    max_batch_size,
-                    multiple_of,
-                    max_trials,
+                    settings.max_batch_size,
+                    settings.multiple_of,
+                    settings.max_trials,
                 ),
                 confirm_budget,
             )
@@ -307,7 +298,11 @@ def probe_batch_size(
     rows = gather_rows(strategy, _to_row(outcome, budget_mb, seconds, margin))
     if error is not None:
         raise _explained(
-            error, memory_fraction, memory_budget_mb, source, search_margin
+            error,
+            settings.memory_fraction,
+            settings.memory_budget_mb,
+            source,
+            search_margin,
         )
     failed = [i for i, r in enumerate(rows) if not r[0]]
     if failed:
@@ -315,7 +310,7 @@ def probe_batch_size(
             f"find_batch_size failed on worker(s) {failed}: see their error."
         )
     result = _result(rows, outcome, device, source, blueprint.name)
-    if verbose and worker_info(strategy)["is_chief"]:
+    if settings.verbose and worker_info(strategy)["is_chief"]:
         print(result.explain())
     return result
 
@@ -338,12 +333,10 @@ def _check_arguments(
         exclusive_minimum=True,
         allow_none=True,
     )
-    if memory_fraction is not None and memory_budget_mb is not None:
-        raise ValueError(
-            "Pass at most one of `memory_fraction` and `memory_budget_mb`. "
-            f"Received: memory_fraction={memory_fraction}, "
-            f"memory_budget_mb={memory_budget_mb}"
-        )
+    check_at_most_one(
+        ("memory_fraction", memory_fraction),
+        ("memory_budget_mb", memory_budget_mb),
+    )
     check_int(max_batch_size, "max_batch_size", minimum=1, allow_none=True)
     check_int(multiple_of, "multiple_of", minimum=1)
     if max_batch_size is not None and max_batch_size < multiple_of:

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from keras_mgpu._validation import (
+    check_at_most_one,
     check_int,
     check_number,
     reject_unknown,
@@ -134,11 +135,7 @@ def plan_batch(
     reject_unknown("plan_batch", deprecated)
     check_int(max_batch_size, "max_batch_size", minimum=1)
     check_number(min_fill, "min_fill", minimum=0.0, maximum=1.0)
-    if num_replicas is not None and strategy is not None:
-        raise ValueError(
-            "Pass at most one of `strategy` and `num_replicas`. Received: "
-            f"strategy={strategy!r}, num_replicas={num_replicas}"
-        )
+    check_at_most_one(("strategy", strategy), ("num_replicas", num_replicas))
     if num_replicas is None:
         num_replicas = num_replicas_in_sync(strategy)
     check_int(num_replicas, "num_replicas", minimum=1)

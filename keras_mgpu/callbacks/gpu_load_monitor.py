@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 from keras_mgpu._flavour import callback_bases, tf
 from keras_mgpu._validation import (
     check_bool,
     check_number,
-    monitor_update_freq,
 )
-from keras_mgpu.backend import require_backend
-from keras_mgpu.distribute.strategy import current_strategy
+from keras_mgpu.callbacks._monitor_common import EpochMonitorMixin
 from keras_mgpu.monitoring.aggregate import NAN, Stats, spread
 from keras_mgpu.monitoring.backend import BackendUnavailable
-from keras_mgpu.monitoring.gather import WorkerGathering
-from keras_mgpu.monitoring.host_backend import HostBackend
 from keras_mgpu.monitoring.log_keys import make_key
-from keras_mgpu.monitoring.notices import Notices
 from keras_mgpu.monitoring.nvml_backend import NvmlBackend
 from keras_mgpu.monitoring.sampler import Sampler, training_frame
 from keras_mgpu.monitoring.tf_memory import (
@@ -54,7 +48,7 @@ def _gpu_key_name(device: str, figure: str, stat: str, unit: str) -> str:
     return f"{device}_{figure}_{stat}_{unit}"
 
 
-class GPULoadMonitor(*callback_bases()):
+class GPULoadMonitor(EpochMonitorMixin, *callback_bases()):
     """Logs per-GPU load, sampled off the training thread, per epoch.
 
     A daemon thread reads NVML (`nvidia-ml-py`, `import pynvml`) every
@@ -160,9 +154,12 @@ class GPULoadMonitor(*callback_bases()):
         **deprecated: Any,
     ) -> None:
         super().__init__()
-        self._backend_name = require_backend("GPULoadMonitor")
-        update_freq, log_every_n_batches = monitor_update_freq(
-            "GPULoadMonitor", update_freq, deprecated
+        self._init_monitor(
+            "GPULoadMonitor",
+            update_freq,
+            worker_prefix,
+            gather_workers,
+            deprecated,
         )
         self.interval = check_number(
             interval, "interval", minimum=0.0, exclusive_minimum=True
@@ -178,40 +175,15 @@ class GPULoadMonitor(*callback_bases()):
             maximum=1.0,
         )
         self.per_core = check_bool(per_core, "per_core")
-        self.update_freq = update_freq
-        # Batches between batch-level logs; 0: per epoch only.
-        self.log_every_n_batches = log_every_n_batches
-        self.worker_prefix = check_bool(
-            worker_prefix, "worker_prefix", allow_none=True
-        )
-        self._gathering = WorkerGathering(gather_workers, "GPULoadMonitor")
-        self.gather_workers = gather_workers
-        # NVML (None: opened at train begin) and the psutil fallback; tests
-        # replace these two attributes with stand-ins before `fit`.
+        # NVML (None: opened at train begin) beside the psutil fallback
+        # (`_host_backend`); tests replace both with stand-ins before `fit`.
         self._backend_arg: Any = None
-        self._host_backend = HostBackend()
-        self._notices = Notices()
         self._sampler: Sampler | None = None
         self._backend = None
-        self._prefix = ""
-        self._batches = 0
-        self._batch_count = itertools.count(1)
         self.mode: str | None = None  # "gpu", "cpu" or None (nothing)
         self.devices: list[str] = []
-        self.keys: list[str] = []
-        if self.log_every_n_batches:
-            # Only then: a batch hook turns off Keras's async batch dispatch.
-            self.on_train_batch_end = self._log_batch
 
     # -- set-up ------------------------------------------------------------
-
-    def _strategy(self):
-        """The `tf.distribute` strategy of the model, or the one in scope;
-        on JAX the `keras.distribution` in force (None without one)."""
-        strategy = getattr(
-            getattr(self, "model", None), "distribute_strategy", None
-        )
-        return current_strategy(strategy)
 
     def _gpu_positions(self, strategy) -> list[int] | None:
         """Physical GPU positions the strategy (on JAX, the distribution)
@@ -280,16 +252,10 @@ class GPULoadMonitor(*callback_bases()):
 
     def on_train_begin(self, logs=None):
         self.stop()  # a run that ended by an exception may have left one
-        self._notices.reset()
-        strategy = self._strategy()
-        self._prefix = self._gathering.start(
-            strategy, self.worker_prefix, self._notices
-        )
+        strategy = self._begin_monitor()
         self._backend, self.mode = self._open_backend(strategy)
         self.devices = list(self._backend.devices) if self._backend else []
         self.keys = self._gathering.expand_keys(self._epoch_keys())
-        self._batches = 0
-        self._batch_count = itertools.count(1)
         if self._backend is None:
             return
         self._sampler = Sampler(
@@ -420,13 +386,7 @@ class GPULoadMonitor(*callback_bases()):
         return figures
 
     def _log_batch(self, batch, logs=None):
-        # May run on Keras's dispatch threads: `next` on a count is atomic.
-        self._batches = count = next(self._batch_count)
-        if (
-            logs is None
-            or self._sampler is None
-            or count % self.log_every_n_batches
-        ):
+        if not self._batch_due(logs) or self._sampler is None:
             return
         latest = self._sampler.latest()
         if self.mode == "gpu":

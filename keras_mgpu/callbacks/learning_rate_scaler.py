@@ -8,6 +8,7 @@ from typing import Any
 from keras_mgpu import backend
 from keras_mgpu._flavour import callback_bases
 from keras_mgpu._validation import (
+    check_at_most_one,
     check_choice,
     check_int,
     reject_unknown,
@@ -128,12 +129,10 @@ class LearningRateScaler(*callback_bases()):
             minimum=1,
             allow_none=True,
         )
-        if batch_size is not None and per_replica_batch_size is not None:
-            raise ValueError(
-                "Pass at most one of `batch_size` and "
-                f"`per_replica_batch_size`. Received: batch_size={batch_size}"
-                f", per_replica_batch_size={per_replica_batch_size}"
-            )
+        check_at_most_one(
+            ("batch_size", batch_size),
+            ("per_replica_batch_size", per_replica_batch_size),
+        )
         self.scaling_rule = check_choice(
             scaling_rule, "scaling_rule", SCALING_RULES
         )
@@ -179,26 +178,20 @@ class LearningRateScaler(*callback_bases()):
         )
         self.global_batch_size, self.factor = examples, factor
         owner = _optimizer_lr.lr_owner(self.model.optimizer)
-        top = _optimizer_lr.get_lr_object(owner)
-        wrapper = self._wrapper
-        if wrapper is not None and any(
-            link is wrapper for link in _optimizer_lr.chain(owner)
-        ):
-            # Still installed from a fit that did not end cleanly: the new
-            # factor goes into its variable (`activate`), no retrace.
+
+        def refresh(wrapper: _optimizer_lr.ScaleWrapper) -> None:
+            # The new factor goes into its variable (`activate`): no retrace.
             wrapper.factor = factor
-        elif (
-            wrapper is not None
-            and wrapper.owner is owner
-            and wrapper.inner is top
-            and wrapper.factor == factor
-        ):
-            _optimizer_lr.set_lr_object(owner, wrapper)
-        else:
-            self._wrapper = _optimizer_lr.ScaleWrapper(
+
+        self._wrapper = _optimizer_lr.install(
+            owner,
+            self._wrapper,
+            reusable=lambda wrapper: wrapper.factor == factor,
+            make=lambda top: _optimizer_lr.ScaleWrapper(
                 owner, top, factor, model=self.model
-            )
-            _optimizer_lr.set_lr_object(owner, self._wrapper)
+            ),
+            refresh=refresh,
+        )
         _optimizer_lr.activate(self.model)
         self._report(examples, factor)
 

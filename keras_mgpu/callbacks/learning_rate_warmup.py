@@ -159,29 +159,20 @@ class LearningRateWarmup(*callback_bases()):
                 "the learning rate will not reach its target.",
                 stacklevel=2,
             )
-        top = _optimizer_lr.get_lr_object(owner)
-        wrapper = self._wrapper
-        if wrapper is not None and any(
-            link is wrapper for link in _optimizer_lr.chain(owner)
-        ):
-            pass  # still installed (a fit that ended without train end)
-        elif (
-            wrapper is not None
-            and wrapper.owner is owner
-            and wrapper.inner is top
-            and wrapper.warmup_steps == steps
-        ):
-            _optimizer_lr.set_lr_object(owner, wrapper)
-        else:
-            self._wrapper = _optimizer_lr.WarmupWrapper(
+        # Still installed from a fit that ended without train end: it stays.
+        self._wrapper = _optimizer_lr.install(
+            owner,
+            self._wrapper,
+            reusable=lambda wrapper: wrapper.warmup_steps == steps,
+            make=lambda top: _optimizer_lr.WarmupWrapper(
                 owner,
                 top,
                 steps,
                 self.initial_learning_rate,
                 self.ramp,
                 model=self.model,
-            )
-            _optimizer_lr.set_lr_object(owner, self._wrapper)
+            ),
+        )
         _optimizer_lr.activate(self.model)
         if self.verbose:
             print(

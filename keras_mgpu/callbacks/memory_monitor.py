@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -11,16 +10,11 @@ from keras_mgpu._flavour import callback_bases
 from keras_mgpu._validation import (
     check_bool,
     check_number,
-    monitor_update_freq,
 )
-from keras_mgpu.backend import require_backend
 from keras_mgpu.backend.jax.devices import distribution_devices
 from keras_mgpu.backend.jax.memory import JAXMemoryReader, preallocation_note
-from keras_mgpu.distribute.strategy import current_strategy
-from keras_mgpu.monitoring.gather import WorkerGathering
-from keras_mgpu.monitoring.host_backend import HostBackend
+from keras_mgpu.callbacks._monitor_common import EpochMonitorMixin
 from keras_mgpu.monitoring.log_keys import make_key
-from keras_mgpu.monitoring.notices import Notices
 from keras_mgpu.monitoring.tf_memory import (
     TFMemoryReader,
     device_label,
@@ -36,7 +30,7 @@ REMEDIES = (
 )
 
 
-class MemoryMonitor(*callback_bases()):
+class MemoryMonitor(EpochMonitorMixin, *callback_bases()):
     """Logs current and peak memory of every device the strategy uses.
 
     At each epoch end it adds to `logs` (so the progress bar, `History`,
@@ -107,14 +101,14 @@ class MemoryMonitor(*callback_bases()):
             `..._current_mb` every that many batches, as Keras's
             `TensorBoard(update_freq=...)`. (`log_every_n_batches` before
             0.2; still accepted, with a `FutureWarning`, until 0.3.)
-        gather_workers: bool, in a cluster of several workers, also log every
-            other worker's figures (one collective all-reduce of a small
-            matrix per epoch), so the chief's History / CSV / TensorBoard
-            hold the whole cluster. Implies the `w<rank>_` prefix.
-            Defaults to False.
-        worker_prefix: bool or None, force the `w<rank>_` prefix on or
-            off; None (default) adds it when the cluster has several
-            workers.
+        gather_workers: bool, in a cluster of several workers (JAX:
+            processes), also log every other worker's memory figures,
+            exchanged at each epoch end as described above, so that the
+            chief's History / CSV / TensorBoard hold the memory of the
+            whole cluster. Implies the `w<rank>_` prefix. Defaults to False.
+        worker_prefix: bool or None, force the `w<rank>_` prefix of the
+            `mem/` keys on or off; None (default) adds it when the cluster
+            has several workers (JAX: processes).
 
     Example:
 
@@ -144,9 +138,12 @@ class MemoryMonitor(*callback_bases()):
         **deprecated: Any,
     ) -> None:
         super().__init__()
-        self._backend_name = require_backend("MemoryMonitor")
-        update_freq, log_every_n_batches = monitor_update_freq(
-            "MemoryMonitor", update_freq, deprecated
+        self._init_monitor(
+            "MemoryMonitor",
+            update_freq,
+            worker_prefix,
+            gather_workers,
+            deprecated,
         )
         self.warn_fraction = check_number(
             warn_fraction,
@@ -172,43 +169,20 @@ class MemoryMonitor(*callback_bases()):
                 allow_none=True,
             )
         self.host = check_bool(host, "host")
-        self.update_freq = update_freq
-        # Batches between batch-level logs; 0: per epoch only.
-        self.log_every_n_batches = log_every_n_batches
-        self.worker_prefix = check_bool(
-            worker_prefix, "worker_prefix", allow_none=True
-        )
-        self._gathering = WorkerGathering(gather_workers, "MemoryMonitor")
-        self.gather_workers = gather_workers
         # The backend's memory figures (TensorFlow's allocator, or JAX's
-        # `memory_stats()`) and psutil; tests replace these two attributes
-        # with stand-ins before `fit`.
+        # `memory_stats()`) beside psutil's (`_host_backend`); tests replace
+        # both with stand-ins before `fit`.
         self._reader = (
             JAXMemoryReader()
             if self._backend_name == "jax"
             else TFMemoryReader()
         )
-        self._host_backend = HostBackend()
-        self._notices = Notices()
         self._devices: list[str] = []  # accelerator devices, "GPU:0"
         self._capacity: dict[str, float | None] = {}
         self._host_tf = False
-        self._prefix = ""
-        self._batches = 0
-        self._batch_count = itertools.count(1)
-        self.keys: list[str] = []
-        if self.log_every_n_batches:
-            # Only then: a batch hook turns off Keras's async batch dispatch.
-            self.on_train_batch_end = self._log_batch
 
     def _key(self, name: str) -> str:
         return make_key("mem", name, self._prefix)
-
-    def _strategy(self):
-        """The `tf.distribute` strategy of the model, or the one in scope;
-        on JAX the `keras.distribution` in force (None without one)."""
-        model = getattr(self, "model", None)
-        return current_strategy(getattr(model, "distribute_strategy", None))
 
     def _local_devices(self, strategy) -> list[str]:
         variables = getattr(self.model, "variables", ())
@@ -217,11 +191,7 @@ class MemoryMonitor(*callback_bases()):
         return strategy_devices(strategy, variables)
 
     def on_train_begin(self, logs=None):
-        self._notices.reset()
-        strategy = self._strategy()
-        self._prefix = self._gathering.start(
-            strategy, self.worker_prefix, self._notices
-        )
+        strategy = self._begin_monitor()
         devices = self._local_devices(strategy)
         self._devices = []
         for device in devices:
@@ -267,8 +237,6 @@ class MemoryMonitor(*callback_bases()):
             )
         self._capacity = {d: self._capacity_of(d) for d in self._devices}
         self.keys = self._gathering.expand_keys(self._epoch_keys())
-        self._batches = 0
-        self._batch_count = itertools.count(1)
         self._reset_peaks()
 
     def _jax_notes(self, devices: list[str]) -> None:
@@ -384,9 +352,7 @@ class MemoryMonitor(*callback_bases()):
         )
 
     def _log_batch(self, batch, logs=None):
-        # May run on Keras's dispatch threads: `next` on a count is atomic.
-        self._batches = count = next(self._batch_count)
-        if logs is None or count % self.log_every_n_batches:
+        if not self._batch_due(logs):
             return
         for device in self._devices:
             info = self._reader.read(device) or {}

@@ -4,7 +4,7 @@ full data and keeps its slice of each global batch."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from keras_mgpu.backend import require_backend
@@ -36,14 +36,17 @@ def _nest_rows(data: Any) -> int | None:
     return sizes.pop() if sizes else None
 
 
-def _take(data: Any, index: Any) -> Any:
+def _map_leaves(data: Any, fn: Callable[[Any], Any]) -> Any:
+    """`fn` applied to each array of a nest of dicts, lists and tuples
+    (None stays None): one walk for taking a process's rows and cutting
+    its local batch."""
     if data is None:
         return None
     if isinstance(data, dict):
-        return {k: _take(v, index) for k, v in data.items()}
+        return {k: _map_leaves(v, fn) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
-        return type(data)(_take(v, index) for v in data)
-    return data[index]
+        return type(data)(_map_leaves(v, fn) for v in data)
+    return fn(data)
 
 
 class _Layout:
@@ -168,7 +171,7 @@ def _array_dataset_class():
             start = position * self._batch
             rows = self._order_of(epoch)[start : start + self._batch]
             mine = rows[self._layout.local(len(rows))]
-            return _take(self._arrays, mine)
+            return _map_leaves(self._arrays, lambda array: array[mine])
 
         def on_epoch_end(self):
             # Keras 3.15's `fit` takes one batch to build the model, then
@@ -201,21 +204,8 @@ def _local_batch(batch: Any, layout: _Layout, where: str) -> Any:
     def cut(a):
         return np.asarray(a)[mine]
 
-    if isinstance(batch, dict):
-        return {k: _local_batch_leaf(v, cut) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_local_batch_leaf(v, cut) for v in batch)
-    return cut(batch)
-
-
-def _local_batch_leaf(value: Any, cut) -> Any:
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        return {k: _local_batch_leaf(v, cut) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_local_batch_leaf(v, cut) for v in value)
-    return cut(value)
+    # A None at the top never gets here: `_batch_rows` found arrays.
+    return _map_leaves(batch, cut)
 
 
 def _py_dataset_wrapper_class():

@@ -16,7 +16,9 @@ from typing import Any
 
 from keras_mgpu._flavour import IS_TF_KERAS, TF_RUNS, keras, tf
 
-# The mask hooks live in the backend layer: the JAX engine needs them too.
+# The mask hooks and the variable walk live in the backend layer: the JAX
+# engine needs them too.
+from keras_mgpu.backend.layer_variables import unique_variables
 from keras_mgpu.backend.masking import get_keras_mask, set_keras_mask
 
 # ---------------------------------------------------------------------------
@@ -36,15 +38,10 @@ def replayed_state_variables(layers: Sequence[Any]) -> list:
     global seed generator (used by `keras.random.*` calls with `seed=None`)
     is not owned by any layer and is therefore not replayed.
     """
-    found, seen = [], set()
-    for layer in layers:
-        for v in layer.variables:
-            if v.trainable or tf.as_dtype(v.dtype).is_floating:
-                continue
-            if id(v) not in seen:
-                seen.add(id(v))
-                found.append(v)
-    return found
+    return unique_variables(
+        layers,
+        keep=lambda v: not (v.trainable or tf.as_dtype(v.dtype).is_floating),
+    )
 
 
 def tf_keras_state_variables(layers: Sequence[Any]) -> list:
@@ -57,13 +54,7 @@ def tf_keras_state_variables(layers: Sequence[Any]) -> list:
     their values before the forward pass and leaves them as the forward pass
     left them, so each update happens once per step.
     """
-    found, seen = [], set()
-    for layer in layers:
-        for v in layer.non_trainable_variables:
-            if id(v) not in seen:
-                seen.add(id(v))
-                found.append(v)
-    return found
+    return unique_variables(layers, "non_trainable_variables")
 
 
 def tf_keras_random_layers(layer: Any) -> list:
@@ -177,10 +168,11 @@ def recompute(
             `forward`), e.g. through `Layer.__call__` rather than `call`.
     """
     if not TF_RUNS:
-        # Keras 3 on JAX: `jax.checkpoint` (keras_mgpu/backend/jax/).
+        # Keras 3 on JAX: `jax.checkpoint` (keras_mgpu/backend/jax/), which
+        # replays the traced forward: `again` has no use there.
         from keras_mgpu.backend.jax.recompute import recompute as on_jax
 
-        return on_jax(forward, structure, state_layers, again)
+        return on_jax(forward, structure, state_layers)
     again = again or forward
     flat = tf.nest.flatten(structure)
     diff_positions = [

@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from keras_mgpu import compression as compression_lib
-from keras_mgpu._flavour import TF_RUNS, flavour_of, keras_of, tf
-from keras_mgpu._validation import check_bool
+from keras_mgpu._flavour import TF_RUNS, flavour_of, keras, keras_of, tf
+from keras_mgpu._validation import check_bool, check_int
 from keras_mgpu.compression.reduce import (
     all_reduce_sum as all_reduce_sum_by_dtype,
 )
@@ -373,6 +373,77 @@ class AccumulationProtocol:
         ):
             return target(inner_optimizer, *args, **kwargs)
         return super().__new__(cls)
+
+    # The base-optimizer arguments only the inner optimizer takes (each
+    # flavour adds its own).
+    _INNER_ONLY_ARGUMENTS: tuple = INNER_ONLY_ARGUMENTS
+
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        accumulation_steps: int,
+        *,
+        name: str | None = None,
+        momentum_correction: bool = False,
+        compression: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        # One constructor for both flavours (documented on each flavour's
+        # class); what differs is in the flavour's hooks: `_drop_arguments`,
+        # `_check_inner`, `_check_compression`, `_init_base`,
+        # `_take_over_from_inner`.
+        self._drop_arguments(kwargs)
+        reject_wrapper_arguments(kwargs, self._INNER_ONLY_ARGUMENTS)
+        accumulation_steps = check_int(
+            accumulation_steps, "accumulation_steps", minimum=1
+        )
+        self._check_inner(inner_optimizer)
+        momentum_correction = check_momentum_correction(
+            momentum_correction, inner_optimizer
+        )
+        compression = self._check_compression(compression)
+        self._init_base(name)
+        self.momentum_correction = momentum_correction
+        self.compression = compression
+        self.inner_optimizer = inner_optimizer
+        self.accumulation_steps = accumulation_steps
+        self._take_over_from_inner(inner_optimizer)
+
+    def _drop_arguments(self, kwargs: dict) -> None:
+        """Checks before the arguments', and keywords to drop unread."""
+
+    def _check_compression(self, compression: Any) -> Any:
+        return check_compression(compression, tf.distribute.get_strategy())
+
+    def _add_slots(self, var_list: list) -> None:
+        """An accumulator and a compression state per variable."""
+        self._accumulators = [
+            self._add_accumulator(variable) for variable in var_list
+        ]
+        # Created for every replica count (one replica does not compress),
+        # so that checkpoints move between replica counts.
+        self._compression_states = [
+            self._add_compression_state(variable, index)
+            for index, variable in enumerate(var_list)
+        ]
+
+    def _add_compression_state(self, reference: Any, index: int) -> tuple:
+        """The state variables the compression method keeps for
+        `reference` (e.g. PowerSGD's residual and factor), or (); named
+        from the flavour's `_slot_prefix(reference)` (checkpoint names)."""
+        if self.compression is None:
+            return ()
+        prefix = self._slot_prefix(reference)
+        return tuple(
+            self._add_replica_local(
+                reference,
+                f"{prefix}_{spec.name}",
+                spec.shape,
+                per_replica=spec.per_replica,
+                initial_value=spec.initial_value,
+            )
+            for spec in self.compression.state_specs(reference, index)
+        )
 
     # Clipping and weight decay are set on the inner optimizer and act once
     # per update; reading or setting them on the wrapper reaches the inner.

@@ -9,9 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import threading
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 from keras_mgpu import compression as compression_lib
@@ -22,15 +20,11 @@ from keras_mgpu._flavour import (
     register_serializable,
     tf,
 )
-from keras_mgpu._validation import check_int
 from keras_mgpu.backend import (
-    ON_JAX_NO_COMPRESSION,
     require_backend,
 )
-from keras_mgpu.distribute import strategy_kind
 from keras_mgpu.normalization._warn import check_from_optimizer
 from keras_mgpu.optimizers._accumulation_common import (
-    DENSE,
     INNER_ONLY_ARGUMENTS,
     MAXIMUM,
     SPARSE,
@@ -39,17 +33,22 @@ from keras_mgpu.optimizers._accumulation_common import (
     all_finite,
     all_reduce_sum,
     assign_compression_state,
-    check_compression,
     check_inner_is_not_a_wrapper,
-    check_momentum_correction,
     divide_gradient,
     is_sparse,
     overwrites_with_gradient,
     reduce_before_the_inner,
-    reject_wrapper_arguments,
     scatter_add_locally,
     touched_rows,
     variable_name,
+)
+from keras_mgpu.optimizers._accumulation_context import (
+    _check_jax_compression,
+    _check_keras_limits,
+    _has_clipping,
+    _inner_reduction_skipped,
+    _replica_share,
+    _slot_kind,
 )
 
 # Keras 3 whatever TF_USE_LEGACY_KERAS says: this class serves Keras 3
@@ -60,204 +59,6 @@ _INNER_ONLY_ARGUMENTS = INNER_ONLY_ARGUMENTS + (
     "loss_scale_factor",
     "gradient_accumulation_steps",
 )
-
-
-def _has_clipping(optimizer: Any) -> bool:
-    return bool(
-        optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue
-    )
-
-
-def _in_xla_context() -> bool:
-    """Whether the graph being traced is compiled with XLA (jit_compile).
-
-    Uses TensorFlow's private `control_flow_util` (TF 2.16-2.21): there is
-    no public way to ask this while tracing.
-    """
-    from tensorflow.python.ops import control_flow_util
-
-    return control_flow_util.GraphOrParentsInXlaContext(
-        tf.compat.v1.get_default_graph()
-    )
-
-
-def _in_multi_step_loop() -> bool:
-    """Whether tracing happens inside Keras's `steps_per_execution` loop.
-
-    Keras 3.15 runs `steps_per_execution > 1` as a `tf.while_loop`; its
-    body graph is named "while_body_*" (checked through outer graphs).
-    """
-    graph = tf.compat.v1.get_default_graph()
-    while graph is not None:
-        if getattr(graph, "name", "").startswith("while_body"):
-            return True
-        graph = getattr(graph, "outer_graph", None)
-    return False
-
-
-def _uses_collective_all_reduce(strategy: tf.distribute.Strategy) -> bool:
-    # Private attribute (TF 2.16-2.21): MirroredStrategy keeps the cross-
-    # device ops it was given, or its CollectiveAllReduce default, there.
-    ops = getattr(strategy.extended, "_cross_device_ops", None)
-    return type(ops).__name__ == "CollectiveAllReduce"
-
-
-def _check_jax_compression(compression: Any) -> None:
-    """Off TensorFlow: gradient compression is refused at construction
-    (XLA runs the step's reductions). Returns the method: None."""
-    if compression is not None:
-        require_backend(
-            "GradientAccumulationOptimizer(compression=...)",
-            ("tensorflow",),
-            instead=ON_JAX_NO_COMPRESSION,
-        )
-    return None
-
-
-def _check_keras_limits() -> None:
-    """Raise clearly where Keras itself cannot run the combination, instead
-    of letting it fail later with an obscure graph-execution error.
-
-    Measured with Keras 3.15 / TensorFlow 2.21 on CPU (see the README's
-    compatibility table and tests/test_keras_limits.py).
-    """
-    if not tf.distribute.has_strategy():
-        return
-    strategy = tf.distribute.get_strategy()
-    if strategy_kind(strategy) != "mirrored":
-        return
-    devices = tuple(getattr(strategy.extended, "worker_devices", ()))
-    all_gpu = bool(devices) and all("GPU" in d.upper() for d in devices)
-    if _in_xla_context() and not all_gpu:
-        raise ValueError(
-            "jit_compile=True under MirroredStrategy on non-GPU devices "
-            f"({', '.join(devices)}) fails in Keras {keras.version()} "
-            "itself (XLA reads a resource on another device), with or "
-            "without GradientAccumulationOptimizer. Compile the model with "
-            "jit_compile=False."
-        )
-    if _in_multi_step_loop() and _uses_collective_all_reduce(strategy):
-        raise ValueError(
-            "steps_per_execution > 1 under MirroredStrategy with its default "
-            "CollectiveAllReduce fails in Keras "
-            f"{keras.version()} itself ('You must feed a value for "
-            "placeholder tensor' in its multi-step loop), with or without "
-            "GradientAccumulationOptimizer. Either compile with "
-            "steps_per_execution=1, or build the strategy with "
-            "cross_device_ops=tf.distribute.ReductionToOneDevice() (or "
-            "HierarchicalCopyAllReduce()), under which it runs."
-        )
-
-
-class _ReductionSkip(threading.local):
-    reductions_skipped: int = 0
-
-
-_SKIP_LOCK = threading.Lock()
-_SKIP_USERS: dict = {}  # id(optimizer) -> [optimizer, number of users]
-_skip_seen = _ReductionSkip()
-
-
-def _skipped_reduction(grads_and_vars: Any) -> list:
-    _skip_seen.reductions_skipped += 1
-    return list(grads_and_vars)
-
-
-def _optimizers_within(optimizer: Any) -> list:
-    """`optimizer` and the optimizers it delegates to (a `MultiOptimizer`'s
-    sub-optimizers), found among its attributes."""
-    found, pending = [], [optimizer]
-    while pending:
-        candidate = pending.pop()
-        if any(candidate is f for f in found):
-            continue
-        found.append(candidate)
-        for value in vars(candidate).values():
-            items = value if isinstance(value, (list, tuple)) else (value,)
-            pending.extend(
-                item
-                for item in items
-                if isinstance(item, keras.optimizers.Optimizer)
-            )
-    return found
-
-
-@contextlib.contextmanager
-def _inner_reduction_skipped(optimizer: Any) -> Iterator[None]:
-    """While tracing the inner optimizer's `apply`: gradients given to it are
-    already summed over replicas, so it must not all-reduce them again.
-
-    Keras 3 (TensorFlow backend, read in 3.10-3.15) all-reduces them in the
-    private `TFOptimizer._all_reduce_sum_gradients`, with no public switch
-    (tf_keras has `apply_gradients(skip_gradients_aggregation=True)`). It
-    is shadowed by an identity on the instance (and on the sub-optimizers a
-    `MultiOptimizer` delegates to) for the duration of the trace. Replica
-    threads of a `MirroredStrategy` trace concurrently: the shadow stays
-    while any of them is inside. A trace that never reached the shadow
-    (Keras reduces elsewhere) is an error, not a silent double sum.
-    """
-    targets = _optimizers_within(optimizer)
-    for target in targets:
-        if not hasattr(target, "_all_reduce_sum_gradients"):
-            raise RuntimeError(
-                f"Keras {keras.version()} has no "
-                "`Optimizer._all_reduce_sum_gradients`: "
-                "GradientAccumulationOptimizer cannot keep "
-                f"{type(target).__name__} from all-reducing gradients that "
-                "are already reduced (gradient compression, or clipping "
-                "under several replicas). Read in Keras 3.10-3.15."
-            )
-    with _SKIP_LOCK:
-        for target in targets:
-            entry = _SKIP_USERS.setdefault(id(target), [target, 0])
-            if entry[1] == 0:
-                vars(target)["_all_reduce_sum_gradients"] = _skipped_reduction
-            entry[1] += 1
-    before = _skip_seen.reductions_skipped
-    try:
-        yield
-    finally:
-        with _SKIP_LOCK:
-            for target in targets:
-                entry = _SKIP_USERS[id(target)]
-                entry[1] -= 1
-                if entry[1] == 0:
-                    vars(target).pop("_all_reduce_sum_gradients", None)
-                    del _SKIP_USERS[id(target)]
-    if _skip_seen.reductions_skipped == before:
-        raise RuntimeError(
-            f"The inner optimizer {type(optimizer).__name__} applied "
-            "gradients without going through Keras's "
-            "`_all_reduce_sum_gradients`; GradientAccumulationOptimizer "
-            "cannot tell whether it reduced them a second time. Gradient "
-            "compression and clipping under several replicas support "
-            "Keras's own optimizers (and MultiOptimizer) only."
-        )
-
-
-def _replica_share(context: Any, grad: Any) -> Any:
-    """This replica's part of an all-reduced gradient, such that the
-    inner optimizer's all-reduce (a sum) gives `grad` back: an equal share
-    of a dense gradient; all rows of a sparse one on the first replica and
-    none elsewhere, so each row reaches the inner optimizer once."""
-    replicas = context.num_replicas_in_sync
-    if not is_sparse(grad):
-        return grad / replicas
-    if replicas == 1:
-        return grad
-    first = tf.equal(context.replica_id_in_sync_group, 0)
-    rows = tf.where(first, tf.shape(grad.indices)[0], 0)
-    return tf.IndexedSlices(
-        grad.values[:rows], grad.indices[:rows], grad.dense_shape
-    )
-
-
-def _slot_kind(grad: Any, variable: Any) -> str:
-    if overwrites_with_gradient(variable):
-        return MAXIMUM
-    if is_sparse(grad):
-        return SPARSE
-    return DENSE
 
 
 @functools.partial(register_serializable, flavour="keras3")
@@ -411,48 +212,30 @@ class GradientAccumulationOptimizer(
     import keras
     import keras_mgpu
 
-    distribution = keras.distribution.DataParallel()
-    with distribution.scope():
+    with keras.distribution.DataParallel().scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile(
-            optimizer=keras_mgpu.GradientAccumulationOptimizer(
-                keras.optimizers.Adam(1e-3), accumulation_steps=4
-            ),
-            loss="mse",
-        )
+        inner = keras.optimizers.Adam(1e-3)
+        optimizer = keras_mgpu.GradientAccumulationOptimizer(inner, 4)
+        model.compile(optimizer=optimizer, loss="mse")
     ```
     """
 
-    def __init__(
-        self,
-        inner_optimizer: keras.optimizers.Optimizer,
-        accumulation_steps: int,
-        *,
-        name: str | None = None,
-        momentum_correction: bool = False,
-        compression: Any = None,
-        **kwargs: Any,
-    ) -> None:
+    _INNER_ONLY_ARGUMENTS = _INNER_ONLY_ARGUMENTS
+
+    # The constructor is `AccumulationProtocol.__init__`; these are its
+    # Keras 3 hooks.
+    def _drop_arguments(self, kwargs: dict) -> None:
         require_backend("GradientAccumulationOptimizer")
-        reject_wrapper_arguments(kwargs, _INNER_ONLY_ARGUMENTS)
-        accumulation_steps = check_int(
-            accumulation_steps, "accumulation_steps", minimum=1
-        )
-        self._check_inner(inner_optimizer)
-        momentum_correction = check_momentum_correction(
-            momentum_correction, inner_optimizer
-        )
+
+    def _check_compression(self, compression: Any) -> Any:
         if TF_RUNS:
-            compression = check_compression(
-                compression, tf.distribute.get_strategy()
-            )
-        else:
-            compression = _check_jax_compression(compression)
-        super().__init__(learning_rate=0.0, name=name)
-        self.momentum_correction = momentum_correction
-        self.compression = compression
-        self.inner_optimizer = inner_optimizer
-        self.accumulation_steps = accumulation_steps
+            return super()._check_compression(compression)
+        return _check_jax_compression(compression)
+
+    def _init_base(self, name: str | None) -> None:
+        keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
+
+    def _take_over_from_inner(self, inner_optimizer: Any) -> None:
         # Loss scaling belongs to the outermost optimizer, as with
         # LossScaleOptimizer: take the inner's factor over so gradients are
         # unscaled once, before they are accumulated.
@@ -508,15 +291,7 @@ class GradientAccumulationOptimizer(
             return
         # The wrapper's own `_iterations` counts micro-steps.
         self._add_counters("int64")
-        self._accumulators = [
-            self._add_accumulator(variable) for variable in var_list
-        ]
-        # Created for every replica count (one replica does not compress),
-        # so that checkpoints move between replica counts.
-        self._compression_states = [
-            self._add_compression_state(variable, index)
-            for index, variable in enumerate(var_list)
-        ]
+        self._add_slots(var_list)
         # Under CentralStorageStrategy (and parameter servers) an `ON_READ`
         # variable is one `AggregatingVariable` on the parameter device:
         # replicas' writes are summed into it, so every replica reads the
@@ -629,22 +404,8 @@ class GradientAccumulationOptimizer(
             per_replica=not overwrites_with_gradient(reference),
         )
 
-    def _add_compression_state(self, reference: Any, index: int) -> tuple:
-        """The state variables the compression method keeps for
-        `reference` (e.g. PowerSGD's residual and factor), or ()."""
-        if self.compression is None:
-            return ()
-        prefix = variable_name(reference).replace("/", "_")
-        return tuple(
-            self._add_replica_local(
-                reference,
-                f"{prefix}_{spec.name}",
-                shape=spec.shape,
-                per_replica=spec.per_replica,
-                initial_value=spec.initial_value,
-            )
-            for spec in self.compression.state_specs(reference, index)
-        )
+    def _slot_prefix(self, reference: Any) -> str:
+        return variable_name(reference).replace("/", "_")
 
     def _add_replica_local(
         self,

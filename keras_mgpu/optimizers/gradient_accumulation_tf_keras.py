@@ -16,7 +16,6 @@ from keras_mgpu._flavour import (
     register_serializable,
     tf,
 )
-from keras_mgpu._validation import check_int
 from keras_mgpu.normalization._warn import check_from_optimizer
 from keras_mgpu.optimizers._accumulation_common import (
     DENSE,
@@ -26,12 +25,9 @@ from keras_mgpu.optimizers._accumulation_common import (
     AccumulatorSlot,
     all_finite,
     assign_compression_state,
-    check_compression,
     check_inner_is_not_a_wrapper,
-    check_momentum_correction,
     divide_gradient,
     reduce_before_the_inner,
-    reject_wrapper_arguments,
     scatter_add_locally,
     touched_rows,
 )
@@ -154,37 +150,23 @@ class GradientAccumulationOptimizer(
     ```
     """
 
-    def __init__(
-        self,
-        inner_optimizer: keras.optimizers.Optimizer,
-        accumulation_steps: int,
-        *,
-        name: str | None = None,
-        momentum_correction: bool = False,
-        compression: Any = None,
-        **kwargs: Any,
-    ) -> None:
+    _INNER_ONLY_ARGUMENTS = _INNER_ONLY_ARGUMENTS
+
+    # The constructor is `AccumulationProtocol.__init__`; these are its
+    # tf_keras hooks.
+    def _drop_arguments(self, kwargs: dict) -> None:
         # Written by get_config so tf_keras's deserializer picks the new
         # optimizer classes; meaningless here.
         kwargs.pop("is_legacy_optimizer", None)
-        reject_wrapper_arguments(kwargs, _INNER_ONLY_ARGUMENTS)
-        accumulation_steps = check_int(
-            accumulation_steps, "accumulation_steps", minimum=1
+
+    def _init_base(self, name: str | None) -> None:
+        keras.optimizers.Optimizer.__init__(
+            self,
+            name=name or "GradientAccumulationOptimizer",
+            jit_compile=False,
         )
-        self._check_inner(inner_optimizer)
-        momentum_correction = check_momentum_correction(
-            momentum_correction, inner_optimizer
-        )
-        compression = check_compression(
-            compression, tf.distribute.get_strategy()
-        )
-        super().__init__(
-            name=name or "GradientAccumulationOptimizer", jit_compile=False
-        )
-        self.momentum_correction = momentum_correction
-        self.compression = compression
-        self.inner_optimizer = inner_optimizer
-        self.accumulation_steps = accumulation_steps
+
+    def _take_over_from_inner(self, inner_optimizer: Any) -> None:
         self._accumulators: list = []
 
     @staticmethod
@@ -232,15 +214,7 @@ class GradientAccumulationOptimizer(
             self._previous_learning_rate = self.add_variable(
                 shape=(), dtype=tf.float32, name="previous_learning_rate"
             )
-        self._accumulators = [
-            self._add_accumulator(variable) for variable in var_list
-        ]
-        # Created for every replica count (one replica does not compress),
-        # so that checkpoints move between replica counts.
-        self._compression_states = [
-            self._add_compression_state(variable, index)
-            for index, variable in enumerate(var_list)
-        ]
+        self._add_slots(var_list)
         self._built = True
 
     def _ema_pair(self, variable: Any) -> tuple | None:
@@ -265,22 +239,9 @@ class GradientAccumulationOptimizer(
             reference, f"accumulator/{name}", reference.shape, per_replica=True
         )
 
-    def _add_compression_state(self, reference: Any, index: int) -> tuple:
-        """The state variables the compression method keeps for
-        `reference` (e.g. PowerSGD's residual and factor), or ()."""
-        if self.compression is None:
-            return ()
+    def _slot_prefix(self, reference: Any) -> str:
         name = reference.name.split(":")[0].replace("/", "_")
-        return tuple(
-            self._add_replica_local(
-                reference,
-                f"compression/{name}_{spec.name}",
-                spec.shape,
-                per_replica=spec.per_replica,
-                initial_value=spec.initial_value,
-            )
-            for spec in self.compression.state_specs(reference, index)
-        )
+        return f"compression/{name}"
 
     def _add_replica_local(
         self,

@@ -14,6 +14,7 @@ import numpy as np
 
 from keras_mgpu._flavour import check_flavour, keras_of, object_flavour
 from keras_mgpu._layer_calls import accepts
+from keras_mgpu.backend import ON_JAX_PLACEMENT, require_backend
 
 # Placement is Keras 3 only, whatever TF_USE_LEGACY_KERAS says.
 keras = keras_of("keras3")
@@ -30,8 +31,11 @@ def is_functional(model: Any) -> bool:
 
 
 def check_model(model: Any, function: str) -> None:
-    """Raise unless `model` is a built Sequential or functional Keras 3
-    model (errors name the argument `model`)."""
+    """Raise unless Keras runs on TensorFlow (placement is TensorFlow's
+    device placement; the error names the JAX way) and `model` is a built
+    Sequential or functional Keras 3 model (errors name the argument
+    `model`): what every public placement function checks first."""
+    require_backend(function, ("tensorflow",), instead=ON_JAX_PLACEMENT)
     if object_flavour(model) == "tf_keras":
         raise NotImplementedError(
             f"`keras_mgpu.{function}` needs Keras 3 (TensorFlow backend); it "

@@ -13,7 +13,6 @@ from typing import Any, Union
 
 from keras_mgpu._flavour import keras_of
 from keras_mgpu._validation import check_int
-from keras_mgpu.backend import ON_JAX_PLACEMENT, require_backend
 from keras_mgpu.layers.apply_recompute import carry_recompute
 from keras_mgpu.layers.recompute_in_place import (
     graph_of,
@@ -207,11 +206,6 @@ def apply_placement(
     plain = keras_mgpu.strip_placement(placed)
     ```
     """
-    require_backend(
-        "apply_placement",
-        ("tensorflow",),
-        instead=ON_JAX_PLACEMENT,
-    )
     _graph.check_model(model, "apply_placement")
     if _placed_layers(model):
         raise ValueError(
@@ -299,11 +293,6 @@ def strip_placement(model: Any) -> Any:
     plain.save("model.keras")   # loads anywhere, one device
     ```
     """
-    require_backend(
-        "strip_placement",
-        ("tensorflow",),
-        instead=ON_JAX_PLACEMENT,
-    )
     _graph.check_model(model, "strip_placement")
     if not _placed_layers(model):
         raise ValueError(

@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 
 from keras_mgpu._flavour import keras_of, tf
-from keras_mgpu.backend import ON_JAX_PLACEMENT, require_backend
 from keras_mgpu.placement import _graph
 from keras_mgpu.placement.apply_placement import micro_batches_of
 from keras_mgpu.placement.devices import canonical_device
@@ -217,11 +216,6 @@ def placement_report(
     rows = keras_mgpu.placement_report(placed)
     ```
     """
-    require_backend(
-        "placement_report",
-        ("tensorflow",),
-        instead=ON_JAX_PLACEMENT,
-    )
     _graph.check_model(model, "placement_report")
     rows = _rows(model)
     if print_fn is not None:

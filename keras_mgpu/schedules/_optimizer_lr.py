@@ -46,7 +46,7 @@ where TensorFlow runs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -95,6 +95,39 @@ def set_lr_object(owner: Any, value: Any) -> None:
     `BackupAndRestore` backups; the variable stays tracked this way.
     """
     owner._learning_rate = value
+
+
+def install(
+    owner: Any,
+    wrapper: Any,
+    reusable: Callable[[Any], bool],
+    make: Callable[[Any], Any],
+    refresh: Callable[[Any], None] | None = None,
+) -> Any:
+    """Put a callback's learning-rate wrapper on `owner` at train begin,
+    reusing the callback's previous one (`wrapper`, None at the first fit)
+    where that keeps the traced step valid; returns the wrapper in force.
+
+    Still in the chain (a fit that ended without train end): it stays, and
+    `refresh` updates its numbers (its variables, no retrace). Detached but
+    wrapping the same object of the same owner and `reusable`: put back as
+    it is. Otherwise `make(inner)` builds a new one around the current
+    learning-rate object.
+    """
+    top = get_lr_object(owner)
+    if wrapper is not None and any(link is wrapper for link in chain(owner)):
+        if refresh is not None:
+            refresh(wrapper)
+        return wrapper
+    if not (
+        wrapper is not None
+        and wrapper.owner is owner
+        and wrapper.inner is top
+        and reusable(wrapper)
+    ):
+        wrapper = make(top)
+    set_lr_object(owner, wrapper)
+    return wrapper
 
 
 def evaluate_lr(owner: Any, lr: Any) -> Any:

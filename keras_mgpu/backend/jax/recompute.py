@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from keras_mgpu._flavour import keras
+from keras_mgpu.backend.layer_variables import unique_variables
 from keras_mgpu.backend.masking import get_keras_mask, set_keras_mask
 
 
@@ -121,20 +122,13 @@ class _RegionScope(keras.StatelessScope):
 def region_variables(layers: Sequence[Any]) -> list:
     """Every variable of `layers` and their sublayers (seed states and
     moving statistics included), each once."""
-    found, seen = [], set()
-    for layer in layers:
-        for v in layer.variables:
-            if id(v) not in seen:
-                seen.add(id(v))
-                found.append(v)
-    return found
+    return unique_variables(layers)
 
 
 def recompute(
     forward: Callable[[Any], Any],
     structure: Any,
     state_layers: Sequence[Any],
-    again: Callable[[Any], Any] | None = None,
 ) -> Any:
     """`forward(structure)`, its activations recomputed in the backward pass.
 
@@ -149,10 +143,10 @@ def recompute(
         state_layers: the layers `forward` runs; their variables (trainable
             weights, seed states, statistics) are the function's inputs, and
             their assignments and losses are applied outside it, once.
-        again: unused on JAX: `jax.checkpoint` replays the traced forward
-            (the TensorFlow engine runs the region again through `again`).
+
+    There is no `again` (the TensorFlow engine's second computation for the
+    backward pass): `jax.checkpoint` replays the traced forward itself.
     """
-    del again
     flat = keras.tree.flatten(structure)
     positions = [i for i, x in enumerate(flat) if _is_array(x)]
     arrays = [flat[i] for i in positions]
