@@ -625,9 +625,9 @@ def test_the_answer_is_near_maximal_and_fits_a_fresh_process():
     fixed 20% margin answered ~0.3 of the largest batch that fits in a
     fresh process. Now the answer's fresh `fit` stays within the budget at
     every step and the answer is at least NEAR_MAX_RATIO of the largest
-    batch that fits there: a batch of answer / NEAR_MAX_RATIO does not fit (12 steps of `fit`
-    per batch, each in a process of its own), so the largest that fits
-    is below it (a step's peak grows with the batch).
+    batch that fits there: a batch of answer / NEAR_MAX_RATIO does not
+    fit (12 steps of `fit` per batch, each in a process of its own), so
+    the largest that fits is below it (a step's peak grows with the batch).
 
     A bisection between the answer and answer / ratio once looked for the
     largest batch that fits, in ~3 more fresh processes; whatever it found
