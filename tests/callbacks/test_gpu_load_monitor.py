@@ -1,12 +1,17 @@
-"""GPULoadMonitor: every figure against a fake NVML, fallback, leaks."""
+"""GPULoadMonitor: every figure against a fake NVML, fallback, leaks, on
+both backends; on JAX also the distribution's GPUs chosen by CUDA ordinal
+and no TensorFlow imported."""
 
 from __future__ import annotations
 
 import csv
+import functools
 import glob
 import importlib.util
 import math
+import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -16,14 +21,33 @@ from monitoring._monitor_fakes import FakeNvml, FakePsutil, gpu
 
 from keras_mgpu._flavour import keras, tf
 from keras_mgpu.callbacks import GPULoadMonitor
+from keras_mgpu.callbacks import gpu_load_monitor as gpu_load_monitor_module
 from keras_mgpu.monitoring import (
     HostBackend,
     MonitorWarning,
     NvmlBackend,
+    notices,
 )
 from keras_mgpu.monitoring.sampler import live_sampler_threads
 
-HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
+pytestmark = pytest.mark.backends("tensorflow", "jax")
+
+JAX = keras.backend.backend() == "jax"
+# Keras's TensorBoard callback writes through TensorFlow's summary ops: on
+# JAX that would import TensorFlow, which this module forbids there.
+HAS_TENSORBOARD = (
+    not JAX and importlib.util.find_spec("tensorboard") is not None
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_notes(monkeypatch):
+    monkeypatch.setattr(notices, "_PROCESS_NOTES", set())
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+    if JAX:
+        # Nothing here may import TensorFlow on JAX: an import now fails.
+        monkeypatch.setitem(sys.modules, "tensorflow", None)
 
 
 def compiled_model():
@@ -233,6 +257,85 @@ def test_batch_logging_is_opt_in():
     ]
 
 
+def fit_jax(monitor, epochs=2):
+    x, y = regression_data(32)
+    return compiled_model().fit(
+        x, y, epochs=epochs, batch_size=16, verbose=0, callbacks=[monitor]
+    )
+
+
+@pytest.mark.backends("jax")
+def test_samples_the_distributions_gpus_by_cuda_ordinal(monkeypatch):
+    """A DataParallel over CUDA ordinals 1 and 3 of 4 visible GPUs: NVML
+    samples those two, named as TensorFlow names them; the preallocation
+    note is said once."""
+    from monitoring._jax_fakes import fake_device
+
+    from keras_mgpu.backend.jax import devices as jax_devices
+
+    gpus = [fake_device("gpu", i) for i in range(4)]
+    monkeypatch.setattr(jax_devices, "local_gpus", lambda: gpus)
+    monkeypatch.setattr(
+        jax_devices,
+        "distribution_devices",
+        lambda distribution=None, variables=(): [gpus[3], gpus[1]],
+    )
+    nvml = FakeNvml([gpu(f"GPU-{i}", util=10 * i) for i in range(4)])
+    monkeypatch.setattr(
+        gpu_load_monitor_module,
+        "NvmlBackend",
+        functools.partial(NvmlBackend, nvml=nvml, environ={}),
+    )
+    monitor = GPULoadMonitor(interval=0.002)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        history = fit_jax(monitor)
+        fit_jax(GPULoadMonitor(interval=0.002), epochs=1)
+    assert monitor.mode == "gpu" and monitor.devices == ["gpu1", "gpu3"]
+    assert history.history["gpu/gpu3_util_mean_pct"] == [30.0, 30.0]
+    notes = [str(w.message) for w in record if "preallocates" in str(w.message)]
+    assert len(notes) == 1
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in notes[0]
+
+
+@pytest.mark.backends("jax")
+def test_on_cpu_devices_as_on_tensorflow_without_gpus(monkeypatch):
+    """JAX sees no GPU: NVML gets no positions (every visible GPU); without
+    NVML, the psutil fallback with TensorFlow's cpu/ keys."""
+    seen = []
+
+    def no_driver(positions=None, **kwargs):
+        seen.append(positions)
+        return NvmlBackend(nvml=FakeNvml(fail_init=True), environ={})
+
+    monkeypatch.setattr(gpu_load_monitor_module, "NvmlBackend", no_driver)
+    devices = keras.distribution.list_devices("cpu")
+    distribution = keras.distribution.DataParallel(devices=devices)
+    monitor = GPULoadMonitor(interval=0.002)
+    monitor._host_backend = HostBackend(FakePsutil((10.0, 90.0)))
+    with distribution.scope():
+        with pytest.warns(MonitorWarning, match="psutil instead"):
+            history = fit_jax(monitor)
+    assert seen == [None]
+    assert monitor.mode == "cpu"
+    assert set(monitor.keys) == {
+        "cpu/util_mean_pct",
+        "cpu/util_max_pct",
+        "cpu/core0_util_mean_pct",
+        "cpu/core1_util_mean_pct",
+        "cpu/util_spread_pct",
+        "cpu/samples",
+    }
+    assert history.history["cpu/util_spread_pct"] == [80.0, 80.0]
+
+
+@pytest.mark.backends("jax")
+def test_gather_workers_constructs_for_several_jax_processes():
+    """Gathering runs across JAX processes (issue 29); the 2-process run
+    is in tests/distribute/test_jax_monitors_jax.py."""
+    assert GPULoadMonitor(gather_workers=True).gather_workers is True
+
+
 @pytest.mark.parametrize("kwargs, error, match", GPU_LOAD_MONITOR_BAD_INPUT)
 def test_bad_input(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -248,6 +351,7 @@ def test_deprecated_name_warns_and_options_are_keyword_only():
 
 
 @pytest.mark.gpu
+@pytest.mark.backends("tensorflow")
 def test_real_nvml_during_fit():
     if not tf.config.list_physical_devices("GPU"):
         pytest.skip("no GPU")

@@ -1,12 +1,17 @@
-"""MemoryMonitor: fake allocator figures, real runs on every strategy."""
+"""MemoryMonitor on both backends: fake allocator figures (TensorFlow's
+memory info, JAX's `memory_stats()`), real runs on every strategy, and on
+JAX the preallocation note (once) and no TensorFlow import."""
 
 from __future__ import annotations
 
 import csv
 import math
+import sys
+import warnings
 
 import pytest
 from _training import mlp, regression_data
+from monitoring._jax_fakes import FakeMemoryStats, fake_device
 from monitoring._monitor_cases import MEMORY_MONITOR_BAD_INPUT
 from monitoring._monitor_fakes import FakePsutil, FakeTFMemory
 
@@ -19,6 +24,12 @@ from keras_mgpu.monitoring import (
     notices,
 )
 from keras_mgpu.monitoring.sampler import live_sampler_threads
+
+pytestmark = pytest.mark.backends("tensorflow", "jax")
+
+JAX = keras.backend.backend() == "jax"
+TF_ONLY = pytest.mark.backends("tensorflow")
+JAX_ONLY = pytest.mark.backends("jax")
 
 HOST_KEYS = {
     "mem/host_rss_mb",
@@ -64,6 +75,62 @@ def with_sources(monitor, **sources):
     return monitor
 
 
+@pytest.fixture(autouse=True)
+def _no_tensorflow_and_fresh_notes(monkeypatch):
+    if JAX:
+        # Nothing here may import TensorFlow on JAX: an import now fails.
+        monkeypatch.setitem(sys.modules, "tensorflow", None)
+        monkeypatch.setattr(notices, "_PROCESS_NOTES", set())
+
+
+@pytest.fixture
+def preallocating(monkeypatch):
+    """JAX's default GPU allocator: preallocation on."""
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+
+
+def fake_gpus(monkeypatch, fake):
+    """Pretend the distribution runs on the fake's GPUs (and CPU 0)."""
+    monkeypatch.setattr(
+        memory_monitor_module,
+        "distribution_devices",
+        lambda distribution=None, variables=(): [
+            *fake.gpus(),
+            fake_device("cpu", 0),
+        ],
+    )
+
+
+def with_jax_sources(monitor, memory_stats=None, psutil=None):
+    """Stand-ins for the monitor's readers (private test seams)."""
+    from keras_mgpu.backend.jax.memory import JAXMemoryReader
+
+    if memory_stats is not None:
+        monitor._reader = JAXMemoryReader(memory_stats)
+    monitor._host_backend = HostBackend(psutil_module=psutil or FakePsutil())
+    return monitor
+
+
+def fit_jax(monitor, *callbacks, epochs=2, distribution=None):
+    x, y = regression_data(32)
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model.fit(
+        x,
+        y,
+        epochs=epochs,
+        batch_size=16,
+        verbose=0,
+        callbacks=[*callbacks, monitor],
+    )
+
+
+def messages(record, text):
+    return [str(w.message) for w in record if text in str(w.message)]
+
+
+@TF_ONLY
 def test_per_device_peaks_capacity_warning_and_csv(fake_gpu_strategy, tmp_path):
     fake = FakeTFMemory(
         {"GPU:0": (1000, 15000), "GPU:1": (500, 2000), "CPU:0": (40, 60)},
@@ -128,6 +195,7 @@ def test_per_device_peaks_capacity_warning_and_csv(fake_gpu_strategy, tmp_path):
     assert expected <= set(rows[0]) and len(rows) == 2
 
 
+@TF_ONLY
 def test_cpu_without_allocator_stats_and_capacity_override(fake_gpu_strategy):
     fake = FakeTFMemory({"GPU:0": (100, 950), "GPU:1": (100, 200)})
     monitor = with_sources(
@@ -158,6 +226,7 @@ def test_cpu_without_allocator_stats_and_capacity_override(fake_gpu_strategy):
     no_warning._check_pressure("GPU:0", 10.0, 10.0, 0)  # silent
 
 
+@TF_ONLY
 def test_batch_logging_is_opt_in(fake_gpu_strategy):
     assert "on_train_batch_end" not in vars(MemoryMonitor())
     fake = FakeTFMemory({"GPU:0": (123, 200), "GPU:1": (5, 6)})
@@ -190,6 +259,7 @@ def test_deprecated_name_warns_at_the_users_line():
     assert w[0].filename == __file__  # the user's line, not ours
 
 
+@TF_ONLY
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_both_monitors_train_under_every_strategy(strategy, strategy_name):
     x, y = regression_data(32)
@@ -212,6 +282,7 @@ def test_both_monitors_train_under_every_strategy(strategy, strategy_name):
     assert live_sampler_threads() == []
 
 
+@TF_ONLY
 @pytest.mark.slow
 def test_multi_worker_keys_carry_the_worker_prefix():
     from _processes import run_workers
@@ -235,6 +306,7 @@ def test_multi_worker_keys_carry_the_worker_prefix():
         assert sorted(result["keys"]) == sorted(logs)
 
 
+@TF_ONLY
 @pytest.mark.slow
 def test_multi_worker_gather_puts_every_workers_figures_on_each():
     from _processes import run_workers
@@ -257,3 +329,196 @@ def test_multi_worker_gather_puts_every_workers_figures_on_each():
         assert a == b or (math.isnan(a) and math.isnan(b)), key
     # Two processes, two different resident sizes.
     assert logs[0]["mem/w0_host_rss_mb"] != logs[0]["mem/w1_host_rss_mb"]
+
+
+@JAX_ONLY
+def test_gpu_figures_keys_and_pressure_as_on_tensorflow(
+    monkeypatch, preallocating
+):
+    """The situation of TensorFlow's test_per_device_peaks_capacity_...:
+    GPU:0 with a known capacity, GPU:1 without, host figures on. The keys
+    are TensorFlow's, less its `mem/host_tf_*` (JAX keeps no CPU
+    statistics)."""
+    fake = FakeMemoryStats({0: (1000, 1000, 16000), 1: (500, 2000, None)})
+    fake_gpus(monkeypatch, fake)
+    monitor = with_jax_sources(
+        MemoryMonitor(), fake, FakePsutil(rss_mb=700, available_mb=6000)
+    )
+    with pytest.warns(MonitorWarning) as record:
+        history = fit_jax(monitor, Allocate(fake, {0: 15000}))
+    assert (
+        set(monitor.keys)
+        == {
+            "mem/gpu0_current_mb",
+            "mem/gpu0_peak_mb",
+            "mem/gpu0_peak_frac",  # capacity known for gpu0 only
+            "mem/gpu1_current_mb",
+            "mem/gpu1_peak_mb",
+        }
+        | HOST_KEYS
+    )
+    h = history.history
+    assert h["mem/gpu0_current_mb"] == [1000.0, 1000.0]
+    assert h["mem/gpu0_peak_mb"] == [15000.0, 15000.0]
+    assert h["mem/gpu1_peak_mb"] == [2000.0, 2000.0]
+    assert h["mem/gpu0_peak_frac"][0] == pytest.approx(15000 / 16000)
+    assert h["mem/host_rss_mb"] == [700.0, 700.0]
+    assert h["mem/host_system_available_mb"][0] == 6000.0
+    pressure = messages(record, "reached")
+    assert len(pressure) == 1  # once per device per run
+    assert (
+        "GPU:0 reached 94% of its 16000 MB capacity in epoch 0" in (pressure[0])
+    )
+    assert len(messages(record, "no memory statistics for CPU")) == 1
+    # The preallocation note: once, saying how to turn it off.
+    (note,) = messages(record, "preallocates")
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in note
+    assert "XLA_PYTHON_CLIENT_ALLOCATOR=platform" in note
+
+
+@JAX_ONLY
+def test_preallocation_note_exactly_once_per_process(
+    monkeypatch, preallocating
+):
+    fake = FakeMemoryStats({0: (10, 20, 1000)})
+    fake_gpus(monkeypatch, fake)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit_jax(with_jax_sources(MemoryMonitor(), fake), epochs=1)
+        fit_jax(with_jax_sources(MemoryMonitor(update_freq=1), fake), epochs=1)
+    assert len(messages(record, "preallocates")) == 1
+
+
+@JAX_ONLY
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
+        ("XLA_PYTHON_CLIENT_ALLOCATOR", "platform"),
+    ],
+)
+def test_no_preallocation_note_when_it_is_off(
+    monkeypatch, preallocating, name, value
+):
+    monkeypatch.setenv(name, value)
+    fake = FakeMemoryStats({0: (10, 20, 1000)})
+    fake_gpus(monkeypatch, fake)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit_jax(with_jax_sources(MemoryMonitor(), fake), epochs=1)
+    assert messages(record, "preallocates") == []
+
+
+@JAX_ONLY
+def test_capacity_override_and_no_stats_as_on_tensorflow(
+    monkeypatch, preallocating
+):
+    """The situation of TensorFlow's test_cpu_without_allocator_stats_...:
+    the same keys; a GPU that reports no statistics is left out."""
+    fake = FakeMemoryStats({0: (100, 950, None), 1: (100, 200, None)})
+    devices = [*fake.gpus(), fake_device("gpu", 2), fake_device("cpu", 0)]
+    monkeypatch.setattr(
+        memory_monitor_module,
+        "distribution_devices",
+        lambda distribution=None, variables=(): devices,
+    )
+    monitor = with_jax_sources(
+        MemoryMonitor(capacity_mb={"gpu0": 1000}, host=False), fake
+    )
+    with pytest.warns(MonitorWarning) as record:
+        history = fit_jax(monitor, epochs=1)
+    assert set(monitor.keys) == {
+        "mem/gpu0_current_mb",
+        "mem/gpu0_peak_mb",
+        "mem/gpu0_peak_frac",
+        "mem/gpu1_current_mb",
+        "mem/gpu1_peak_mb",
+    }
+    assert history.history["mem/gpu0_peak_frac"] == [0.95]
+    assert messages(record, "GPU:0 reached 95%")
+    assert messages(record, "no memory statistics (memory_stats()) for GPU:2")
+
+
+@JAX_ONLY
+def test_batch_logging_reads_the_fake_device(monkeypatch, preallocating):
+    fake = FakeMemoryStats({0: (123, 200, None)})
+    fake_gpus(monkeypatch, fake)
+    monitor = with_jax_sources(MemoryMonitor(update_freq=1, host=False), fake)
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(logs.get("mem/gpu0_current_mb"))
+
+    x, y = regression_data(32)
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.warns(MonitorWarning):
+        model.fit(x, y, batch_size=16, verbose=0, callbacks=[monitor, Record()])
+    assert seen == [123.0, 123.0]
+
+
+@JAX_ONLY
+@pytest.mark.parametrize("gather_workers", [False, True])
+def test_cpu_devices_of_a_data_parallel_fit_log_host_figures(gather_workers):
+    """Real CPU devices (memory_stats() is None): only the psutil host
+    figures, TensorFlow's keys for CPU without allocator statistics; one
+    JAX process gathers nothing with gather_workers=True."""
+    devices = keras.distribution.list_devices("cpu")
+    distribution = keras.distribution.DataParallel(devices=devices)
+    monitor = with_jax_sources(
+        MemoryMonitor(gather_workers=gather_workers), psutil=FakePsutil()
+    )
+    with distribution.scope():
+        with pytest.warns(MonitorWarning, match="no memory statistics"):
+            history = fit_jax(monitor)
+    # The distribution's 4 CPU devices were read, none logged per device.
+    assert sorted(monitor._reader._devices) == [f"CPU:{i}" for i in range(4)]
+    assert monitor._devices == []
+    assert set(monitor.keys) == HOST_KEYS
+    assert history.history["mem/host_rss_mb"] == [500.0, 500.0]
+
+
+@JAX_ONLY
+def test_gather_workers_on_several_jax_processes_logs_every_process(
+    monkeypatch,
+):
+    """Several JAX processes (faked: process 0 of 2, the other process's
+    row being twice ours): every process's figures under its `w<k>_`
+    prefix, exchanged by `process_allgather` (the 2-process run is in
+    tests/distribute/test_jax_monitors_jax.py)."""
+    import numpy as np
+
+    from keras_mgpu import distribute
+    from keras_mgpu.backend.jax import processes
+    from keras_mgpu.monitoring import log_keys
+
+    two = {
+        "task_type": "process",
+        "task_id": 0,
+        "rank": 0,
+        "num_workers": 2,
+        "is_chief": True,
+        "task_name": "process:0",
+    }
+    monkeypatch.setattr(distribute, "worker_info", lambda strategy=None: two)
+    monkeypatch.setattr(log_keys, "worker_info", lambda strategy=None: two)
+    exchanged = []
+
+    def allgather_rows(row):
+        exchanged.append(row.size)
+        other = row if len(exchanged) % 2 else 2 * row  # header, figures
+        return np.stack([row, other])
+
+    monkeypatch.setattr(processes, "allgather_rows", allgather_rows)
+    monitor = with_jax_sources(
+        MemoryMonitor(gather_workers=True), psutil=FakePsutil()
+    )
+    with pytest.warns(MonitorWarning, match="no memory statistics"):
+        history = fit_jax(monitor)
+    assert set(monitor.keys) == {
+        key.replace("mem/", f"mem/w{w}_") for key in HOST_KEYS for w in (0, 1)
+    }
+    assert history.history["mem/w0_host_rss_mb"] == [500.0, 500.0]
+    assert history.history["mem/w1_host_rss_mb"] == [1000.0, 1000.0]
+    assert exchanged == [2, 3, 2, 3]  # header, then figures, per epoch

@@ -1,9 +1,16 @@
-"""WorkerWatchdog and its status messages, and StragglerMonitor's timing
-hook, without a cluster (the cluster runs are in
-tests/distribute/test_watchdog_faults.py and test_worker_failures.py)."""
+"""WorkerWatchdog and its status messages, StragglerMonitor's timing hook,
+and on JAX the key-value store, without a cluster, on both backends (the
+cluster runs are in tests/distribute/test_watchdog_faults.py,
+test_worker_failures.py and test_jax_monitors_jax.py).
+
+The JAX tests check the private client's methods (a JAX that changes them
+fails here), the store's answers and the messages naming a JAX process;
+nothing in them may import TensorFlow. The status-record logic is backend
+independent: the TensorFlow job checks it."""
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -13,8 +20,25 @@ from _training import mlp, regression_data
 
 from keras_mgpu._flavour import keras, tf
 from keras_mgpu.callbacks import StragglerMonitor, WorkerWatchdog
+from keras_mgpu.callbacks.straggler_monitor import _waits_from_time_in_step
 from keras_mgpu.distribute import collective_timing, worker_status
-from keras_mgpu.monitoring.backend import MonitorWarning
+from keras_mgpu.monitoring import MonitorWarning, notices
+
+pytestmark = pytest.mark.backends("tensorflow", "jax")
+
+JAX = keras.backend.backend() == "jax"
+TF_ONLY = pytest.mark.backends("tensorflow")
+JAX_ONLY = pytest.mark.backends("jax")
+if JAX:
+    from keras_mgpu.backend.jax import kv_store, processes
+
+
+@pytest.fixture(autouse=True)
+def _fresh_notes(monkeypatch):
+    monkeypatch.setattr(notices, "_PROCESS_NOTES", set())
+    if JAX:
+        # Nothing here may import TensorFlow on JAX: an import now fails.
+        monkeypatch.setitem(sys.modules, "tensorflow", None)
 
 
 @pytest.mark.parametrize(
@@ -103,6 +127,7 @@ def _describe(record, now, run_age=100.0):
     return record.describe(OWN, now, run_age, stale_after=5.0, grace=30.0)
 
 
+@TF_ONLY
 def test_a_peer_whose_heartbeat_stops_is_gone_by_this_workers_clock():
     beating = _record((_status(seq=1), None, 0.0), (_status(seq=2), None, 4.0))
     assert _describe(beating, 8.0)[0] == "ok"  # changed 4 s ago
@@ -114,6 +139,7 @@ def test_a_peer_whose_heartbeat_stops_is_gone_by_this_workers_clock():
     )
 
 
+@TF_ONLY
 def test_a_peer_without_status_is_given_the_start_up_grace():
     never = _record((None, None, 0.0), (None, None, 20.0))
     assert _describe(never, 20.0, run_age=29.0) == (
@@ -125,6 +151,7 @@ def test_a_peer_without_status_is_given_the_start_up_grace():
     assert "no status within 31 s of this worker's start" in text
 
 
+@TF_ONLY
 def test_a_peer_that_left_or_finished_the_run():
     left = _record((_status(ended="its fit call raised"), None, 0.0))
     assert _describe(left, 0.5) == (
@@ -135,6 +162,7 @@ def test_a_peer_that_left_or_finished_the_run():
     assert _describe(finished, 30.0)[0] == "ok"
 
 
+@TF_ONLY
 def test_an_unreachable_store_counts_after_stale_after():
     record = _record(
         (_status(), None, 0.0),
@@ -146,6 +174,7 @@ def test_an_unreachable_store_counts_after_stale_after():
     assert "coordination service (on the chief) has not answered" in text
 
 
+@TF_ONLY
 def test_a_peer_stuck_in_python_is_named_with_the_place_and_phase():
     status = _status(
         phase="validation",
@@ -164,6 +193,7 @@ def test_a_peer_stuck_in_python_is_named_with_the_place_and_phase():
     )
 
 
+@TF_ONLY
 def test_a_peer_behind_and_one_waiting_too():
     behind = _record((_status(progress=11, step=11), None, 0.0))
     waiting = _record((_status(phase="predict", step=3), None, 0.0))
@@ -176,6 +206,7 @@ def test_a_peer_behind_and_one_waiting_too():
     assert "in predict step 3 inside TensorFlow for 3 s (waiting too" in text
 
 
+@TF_ONLY
 def test_message_names_only_the_missing_workers():
     lines = [
         ("ok", "worker:0 (h:1): in train step 12 inside TensorFlow"),
@@ -193,6 +224,7 @@ def test_message_names_only_the_missing_workers():
     assert "worker:0 (h:1): in train step 12" in nobody
 
 
+@TF_ONLY
 def test_a_thread_waiting_in_the_standard_library_is_named_by_its_caller():
     # An eager all-reduce waits on a multiprocessing pool: the place to
     # name is the first frame outside Python's own library.
@@ -217,6 +249,7 @@ def test_a_thread_waiting_in_the_standard_library_is_named_by_its_caller():
         thread.join()
 
 
+@TF_ONLY
 def test_a_hung_store_call_blocks_neither_the_caller_nor_the_exit():
     status = worker_status.WorkerStatus(0, ["chief:0 (h:1)", "w"], "run0")
     release = threading.Event()
@@ -234,6 +267,7 @@ def test_a_hung_store_call_blocks_neither_the_caller_nor_the_exit():
     assert status._start("write", int).result(timeout=5) == 0
 
 
+@TF_ONLY
 def test_when_in_run():
     when = worker_status.when_in_run
     assert when({"phase": "train", "step": 0}) == "before the first train step"
@@ -245,6 +279,7 @@ def test_when_in_run():
     )
 
 
+@TF_ONLY
 def test_the_timing_hook_goes_when_its_frame_is_gone():
     from tensorflow.python.distribute import cross_device_utils
 
@@ -271,6 +306,7 @@ def test_the_timing_hook_goes_when_its_frame_is_gone():
     assert launcher.all_reduce is original
 
 
+@TF_ONLY
 def test_straggler_monitor_hook_goes_when_fit_raises(monkeypatch):
     from keras_mgpu.distribute import strategy as strategy_module
 
@@ -303,9 +339,8 @@ def test_straggler_monitor_logs_nothing_outside_multi_worker():
     x, y = regression_data(16)
     model = mlp()
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.warns(
-        MonitorWarning, match="needs MultiWorkerMirroredStrategy"
-    ):
+    needs = "several JAX processes" if JAX else "MultiWorkerMirroredStrategy"
+    with pytest.warns(MonitorWarning, match=f"needs {needs}"):
         history = model.fit(x, y, epochs=1, verbose=0, callbacks=[monitor])
     assert not any(k.startswith("workers/") for k in history.history)
     assert monitor.keys == []
@@ -357,6 +392,7 @@ class _RecordingStore:
         return self.values[key]
 
 
+@TF_ONLY
 @pytest.mark.parametrize("die_at_change", [None, 3, 4, 5, 6, 7])
 def test_a_reader_never_sees_a_publishing_worker_as_finished(
     die_at_change, monkeypatch
@@ -398,6 +434,7 @@ def test_a_reader_never_sees_a_publishing_worker_as_finished(
         assert store.values == {}
 
 
+@TF_ONLY
 def test_a_late_batch_end_ends_only_its_own_step():
     """Keras's asynchronous dispatch may run step n's end hook after step
     n + 1 began; with `steps_per_execution` an execution begins at its
@@ -417,3 +454,268 @@ def test_a_late_batch_end_ends_only_its_own_step():
     watchdog.on_test_batch_begin(0)
     watchdog.on_train_batch_end(7)  # a train step's late end: not a test's
     assert watchdog._state["in_step"]
+
+
+@JAX_ONLY
+def test_jax_keeps_the_key_value_client_keras_mgpu_uses():
+    """Fails when a JAX release moves or changes the private client
+    (`jax._src.distributed.global_state.client`)."""
+    from jax._src import distributed
+    from jax._src.lib import _jax
+
+    assert hasattr(distributed.global_state, "client")
+    assert kv_store.missing_methods(_jax.DistributedRuntimeClient) == []
+
+
+@JAX_ONLY
+def test_a_changed_client_is_refused_naming_what_changed():
+    class Old:
+        def key_value_set(self, key, value):
+            """key_value_set(self, key: str, value: str) -> None"""
+
+    missing = kv_store.missing_methods(Old)
+    assert missing == list(kv_store.REQUIRED_METHODS)  # no allow_overwrite
+    error = kv_store._changed("9.9", f"its client lacks {missing[0]}")
+    assert "This JAX (9.9) does not offer" in str(error)
+    assert "checked with jax 0.10.2" in str(error)
+
+
+@JAX_ONLY
+def test_without_jax_distributed_the_store_is_refused_clearly():
+    with pytest.raises(
+        kv_store.KeyValueStoreUnavailable,
+        match=r"needs jax\.distributed: call keras_mgpu\.distribute\."
+        r"start_cluster\(\)",
+    ):
+        kv_store.JaxKeyValueStore()
+
+
+class _FakeClient:
+    """The client's key-value calls, in memory, with its errors' texts."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.values: dict[str, str] = {}
+        self.fail = fail
+        self.calls: list = []
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.calls.append(("set", key, allow_overwrite))
+        if key in self.values and not allow_overwrite:
+            raise RuntimeError(f"ALREADY_EXISTS: key {key} already exists.")
+        self.values[key] = value
+
+    def key_value_try_get(self, key):
+        if self.fail:
+            raise RuntimeError(self.fail)
+        if key not in self.values:
+            raise RuntimeError(f"NOT_FOUND: Config key {key} not found.")
+        return self.values[key]
+
+    def key_value_delete(self, key):
+        for k in [k for k in self.values if k == key or k.startswith(key)]:
+            del self.values[k]
+
+    def key_value_dir_get(self, key):
+        return [(k, v) for k, v in self.values.items() if k.startswith(key)]
+
+
+@JAX_ONLY
+def test_the_store_overwrites_and_reads_a_missing_key_as_none():
+    client = _FakeClient()
+    store = kv_store.JaxKeyValueStore(client)
+    store.set("a/0", "1")
+    store.set("a/0", "2")
+    assert store.get("a/0", 1.0) == "2"
+    assert store.get("a/1", 1.0) is None
+    assert store.items("a/") == [("a/0", "2")]
+    store.delete("a")
+    assert store.items("a/") == []
+    assert all(overwrite for _, _, overwrite in client.calls)
+
+
+@JAX_ONLY
+def test_a_failing_service_is_an_error_not_a_missing_status():
+    store = kv_store.JaxKeyValueStore(
+        _FakeClient(fail="UNAVAILABLE: Socket closed")
+    )
+    status = worker_status.WorkerStatus(
+        0, ["process:0", "process:1"], "run0", store=store
+    )
+    ((status_read, error),) = status.read_peers().values()
+    assert status_read is None
+    assert error == "RuntimeError: UNAVAILABLE: Socket closed"
+
+
+@JAX_ONLY
+def test_two_processes_statuses_through_the_store():
+    """The two-slot publication works on JAX's overwriting store too: a
+    reader sees the newest status, and none once the writer removed it."""
+    store = kv_store.JaxKeyValueStore(_FakeClient())
+    names = ["process:0", "process:1"]
+    writer = worker_status.WorkerStatus(0, names, "run0", store=store)
+    reader = worker_status.WorkerStatus(1, names, "run0", store=store)
+    for seq in range(1, 5):
+        writer.publish({"seq": seq})
+        status, error = reader.read_peers()[0]
+        assert error is None and status["seq"] == seq
+    writer.remove()
+    assert reader.read_peers()[0] == (None, None)
+
+
+def _jax_status(**fields):
+    return {
+        "name": "process:1 (host-b, pid 42)",
+        "seq": 7,
+        "phase": "train",
+        "step": 12,
+        "epoch": 0,
+        "progress": 12,
+        "in_step": True,
+        "in_tensorflow": True,
+        "framework": "JAX",
+        "where": "pjit.py:1 in _pjit_call_impl",
+        "for": 3.0,
+        "ended": None,
+        **fields,
+    }
+
+
+JAX_OWN = {"name": "process:0 (host-a, pid 41)", "phase": "train", "step": 12}
+JAX_SERVICE = "JAX's distributed service (on process 0)"
+
+
+def _describe_jax(record, now, run_age=100.0):
+    return record.describe(
+        JAX_OWN, now, run_age, stale_after=5.0, grace=30.0, service=JAX_SERVICE
+    )
+
+
+@JAX_ONLY
+def test_a_jax_peer_is_named_with_its_host_and_pid_once_seen():
+    record = worker_status.PeerRecord("process:1")
+    assert _describe_jax(record, 0.0, run_age=40.0)[1].startswith(
+        "process:1: no status within 40 s of this worker's start (never "
+        "started this run, or process 0 that hosts JAX's distributed "
+        "service is gone)"
+    )
+    record.observe(_jax_status(), None, 0.0)
+    assert _describe_jax(record, 1.0) == (
+        "ok",
+        "process:1 (host-b, pid 42): in train step 12 inside JAX for 3 s "
+        "(waiting too, or stuck computing)",
+    )
+    record.observe(None, "RuntimeError: UNAVAILABLE", 2.0)
+    verdict, text = _describe_jax(record, 8.0)
+    assert verdict == "gone"
+    assert text == (
+        "process:1 (host-b, pid 42): unknown, JAX's distributed service "
+        "(on process 0) has not answered for 6 s (RuntimeError: "
+        "UNAVAILABLE; process 0 killed?)"
+    )
+
+
+@JAX_ONLY
+def test_the_exit_status_is_documented():
+    assert processes.EXIT_CODE == 75
+    assert "status 75" in WorkerWatchdog.__doc__
+
+
+@JAX_ONLY
+def test_waits_are_the_time_in_step_beyond_the_least():
+    figures = {
+        "workers/w0_step_ms": 60.0,
+        "workers/w0_wait_ms": 55.0,  # time in the step, before
+        "workers/w0_busy_ms": math.nan,
+        "workers/w1_step_ms": 61.0,
+        "workers/w1_wait_ms": 10.0,
+        "workers/w1_busy_ms": math.nan,
+    }
+    _waits_from_time_in_step(figures, 2)
+    assert figures["workers/w0_wait_ms"] == 45.0
+    assert figures["workers/w1_wait_ms"] == 0.0
+    assert figures["workers/w0_busy_ms"] == 15.0
+    assert figures["workers/w1_busy_ms"] == 61.0
+
+
+@JAX_ONLY
+def test_the_step_timer_splits_batch_fetch_from_the_step():
+    """The wrapper hands the batches on, times their fetch apart, and goes
+    away with `uninstall` (also after a fit that left it installed)."""
+    import time
+
+    from keras_mgpu.backend.jax import step_timing
+
+    class Model:
+        def train_function(self, state, iterator):
+            batch = next(iterator)
+            time.sleep(0.02)
+            return {"loss": batch}, state
+
+    def slow_batches():
+        while True:
+            time.sleep(0.03)
+            yield 1.0
+
+    model = Model()
+    own = model.train_function
+    timer = step_timing.StepTimer()
+    assert timer.install(model)
+    assert timer.install(model)  # re-installing unwraps first
+    logs, _ = model.train_function("state", slow_batches())
+    assert logs == {"loss": 1.0}
+    assert timer.steps == 1
+    assert 0.03 <= timer.data < 0.02 + 0.03 + 0.5
+    assert 0.02 <= timer.in_step < timer.data + 0.5
+    step_timing.uninstall(model)
+    assert model.train_function == own
+
+
+@JAX_ONLY
+def test_several_processes_without_jax_distributed_fail_clearly(monkeypatch):
+    """Several processes counted but no `jax.distributed` client (faked):
+    the watched `fit` fails at its start naming what to call, and starts
+    no thread."""
+    from keras_mgpu.distribute import strategy
+
+    two = {"rank": 0, "num_workers": 2}
+    monkeypatch.setattr(strategy, "worker_info", lambda s=None: two)
+    watchdog = WorkerWatchdog(timeout=1.0, heartbeat_interval=0.1)
+    x, y = regression_data(16)
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    before = set(threading.enumerate())
+    with pytest.raises(
+        kv_store.KeyValueStoreUnavailable, match=r"needs jax\.distributed"
+    ):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[watchdog])
+    assert not [
+        t
+        for t in set(threading.enumerate()) - before
+        if t.name.startswith("keras_mgpu")
+    ]
+
+
+@JAX_ONLY
+def test_the_step_timer_goes_once_the_fit_that_installed_it_left():
+    """`fit` raised (no on_train_end): the next call of the train function
+    is not timed (Keras's asynchronous dispatch stays) and unwraps it."""
+    from keras_mgpu.backend.jax import step_timing
+
+    class Model:
+        def train_function(self, state, iterator):
+            return {"loss": next(iterator)}, state
+
+    def gone_fit_frame():
+        return sys._getframe()  # leaves the stack when this returns
+
+    model = Model()
+    own = model.train_function
+    timer = step_timing.StepTimer()
+    assert timer.install(model, watch_frame=gone_fit_frame())
+    assert model.train_function != own
+    assert model.train_function("state", iter([2.0])) == (
+        {"loss": 2.0},
+        "state",
+    )
+    assert timer.steps == 0 and not timer.active
+    assert model.train_function == own
