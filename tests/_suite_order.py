@@ -60,14 +60,12 @@ MODULE_SECONDS = {
     # Keras 3 on JAX
     "tests/distribute/test_fault_matrix_jax.py": 200,
     "tests/distribute/test_jax_monitors_jax.py": 60,
-    "tests/callbacks/test_throughput_monitor_jax.py": 50,
     "tests/layers/test_recompute_jax.py": 45,
     "tests/distribute/test_jax_cluster_example_jax.py": 40,
     "tests/test_examples_jax.py": 40,
     "tests/layers/test_recompute_selective_jax.py": 40,
     "tests/layers/test_recompute_edges_jax.py": 35,
     "tests/testing/test_run_workers_jax.py": 35,
-    "tests/callbacks/test_async_dispatch_jax.py": 30,
     # tf_keras
     "tests/legacy/test_worker_failures.py": 50,  # kill, then restart
     "tests/legacy/test_tfmot.py": 40,
