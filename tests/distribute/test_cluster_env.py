@@ -1,7 +1,8 @@
 """`cluster_from_environment`, `start_cluster` and `shard_across_processes`
-in one process: the launchers' variables and bad ones named on every backend
-(pure Python); on JAX bad input named and one process fed whole; on
-TensorFlow the JAX cluster helpers refuse by name, and the tf.data path of
+in one process. JAX: the launchers' variables, bad input named, one process
+fed whole. TensorFlow: the JAX cluster helpers refuse by name, the
+variables still parse (pure Python: the tables run in the JAX job only, each
+TensorFlow test costing its session clean-up), and the tf.data path of
 `shard_across_processes` cuts each process's part of a batch."""
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def _tf_config(cluster, task_type, index):
     }
 
 
+@jax_only
 @pytest.mark.parametrize(
     "environ, expected",
     [
@@ -91,6 +93,7 @@ def test_the_launchers_variables(environ, expected):
     assert cluster_from_environment(environ) == expected
 
 
+@jax_only
 @pytest.mark.parametrize(
     "environ, match",
     [
@@ -181,6 +184,7 @@ def test_bad_variables_are_named(environ, match):
         cluster_from_environment(environ)
 
 
+@jax_only
 @pytest.mark.parametrize(
     "nodelist, host",
     [
@@ -378,6 +382,15 @@ def test_shard_across_processes_refuses_naming_enable_multi_worker_fit():
         BackendNotSupportedError, match="enable_multi_worker_fit"
     ):
         shard_across_processes(np.ones((4, 1)), batch_size=2)
+
+
+@tensorflow_only
+def test_variables_parse_on_tensorflow_too():
+    environ = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_NODELIST": ""}
+    environ["SLURM_JOB_NODELIST"] = "n[1-2]"
+    assert cluster_from_environment(environ, coordinator_port=9) == (
+        ClusterSpec("n1:9", 2, 1, "slurm")
+    )
 
 
 @tensorflow_only
