@@ -58,7 +58,6 @@ MODULE_SECONDS = {
     "tests/layers/test_recompute_edges.py": 35,
     "tests/batch_size/test_multi_worker.py": 30,
     # Keras 3 on JAX
-    "tests/distribute/test_fault_matrix_jax.py": 200,
     "tests/distribute/test_jax_monitors_jax.py": 60,
     "tests/layers/test_recompute_jax.py": 45,
     "tests/distribute/test_jax_cluster_example_jax.py": 40,

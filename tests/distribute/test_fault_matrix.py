@@ -44,7 +44,13 @@ from _training import max_abs_diff
 from conftest import BACKEND
 from distribute import fault_matrix_bodies as bodies
 
-pytestmark = [pytest.mark.slow, pytest.mark.backends("tensorflow", "jax")]
+# The JAX module fixture runs 7 clusters (~95 s on idle CI) inside the
+# first test's time-out; every wait inside it has its own bound.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.backends("tensorflow", "jax"),
+    pytest.mark.timeout(900),
+]
 
 KILL_ENV = "KERAS_MGPU_TEST_KILL_AT"
 
