@@ -62,8 +62,6 @@ MODULE_SECONDS = {
     "tests/layers/test_recompute_jax.py": 45,
     "tests/distribute/test_jax_cluster_example_jax.py": 40,
     "tests/test_examples_jax.py": 40,
-    "tests/layers/test_recompute_selective_jax.py": 40,
-    "tests/layers/test_recompute_edges_jax.py": 35,
     "tests/testing/test_run_workers_jax.py": 35,
     # tf_keras
     "tests/legacy/test_worker_failures.py": 50,  # kill, then restart
