@@ -3,10 +3,11 @@ and the demo end to end.
 
 The demo sets up its devices (2) before TensorFlow or JAX starts, which
 this test process (4 devices) has already done, so it runs in a process of
-its own. On TensorFlow the demo runs of this module share ONE process
-(`tests/_shared_process.py`: `python -m keras_mgpu demo ...` after
-`python -m keras_mgpu demo ...`, the same 2 logical CPU devices), which
-pays TensorFlow's start-up once instead of four times.
+its own. On TensorFlow the demo runs of this module are forked one after
+the other from ONE process that imported TensorFlow, Keras and keras_mgpu
+once (`tests/_shared_process.py`: each `python -m keras_mgpu demo ...` with
+a fresh runtime of its own), which pays those imports once instead of four
+times.
 """
 
 from __future__ import annotations
@@ -382,7 +383,7 @@ MAIN_DEMO_TESTS = {
 @pytest.fixture(scope="module")
 def demo_runs(request, tmp_path_factory) -> dict:
     """Runs the demos this session selected (a `-m "not slow"` run leaves
-    the slow ones out) in one TensorFlow process, each `--cpu` (2 logical
+    the slow ones out) from one pre-imported process, each `--cpu` (2 logical
     CPU devices, with or without GPUs) with an output folder of its own;
     returns name: (output folder, result, summary)."""
     selected = {

@@ -2,15 +2,16 @@
 
 On TensorFlow the single-process Keras 3 examples (mirrored training, the
 custom loop, TensorBoard, model parallelism, the batch by memory, the
-KerasHub fine-tune) run one after the other in ONE fresh process of their
-own (`tests/_shared_process.py`), each as a user runs it (`__main__`, its
-own arguments and folder): they set up the same 2 logical CPU devices
-before TensorFlow starts, which this test process (4 devices) has already
-done, and one process pays TensorFlow's start-up once instead of six times.
-The others keep a process (or several) of their own: the multi-worker and
-Ray examples start a cluster, the preemption example kills and restarts its
-job, the TFMOT example needs the tf_keras flavour, the testing example is a
-pytest session of its own, and on JAX the KerasHub example needs 2 CPU
+KerasHub fine-tune) run one after the other, each in a fresh process forked
+from ONE process that imported TensorFlow, Keras and keras_mgpu once
+(`tests/_shared_process.py`), each as a user runs it (`__main__`, its own
+arguments and folder, its own TensorFlow runtime and 2 logical CPU devices,
+which this test process, with 4, can no longer set up): the ~5 s of CPU of
+those imports are paid once instead of six times. The others keep
+processes of their own: the multi-worker and Ray examples start a cluster,
+the preemption example kills and restarts its job, the TFMOT example needs
+the tf_keras flavour before TensorFlow is imported, the testing example is
+a pytest session of its own, and on JAX the KerasHub example needs 2 CPU
 devices before JAX starts (this process has 4).
 """
 
@@ -78,8 +79,8 @@ SHARED_TIMEOUT = pytest.mark.timeout(sum(t for _, t in SHARED.values()) + 60)
 @pytest.fixture(scope="module")
 def shared_runs(request, tmp_path_factory) -> tuple:
     """Runs the shared examples this session selected (a `-m "not slow"`
-    run leaves the slow ones out) in one process; returns their results
-    and the folder each ran in."""
+    run leaves the slow ones out) from one pre-imported process; returns
+    their results and the folder each ran in."""
     selected = {
         item.originalname
         for item in request.session.items
