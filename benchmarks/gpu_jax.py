@@ -293,7 +293,7 @@ def _case_throughput(quick: bool) -> dict:
 
     fit("plain", keras.optimizers.SGD(1e-3))
     # Keras 3.15's DataParallel over ONE device compiles the step again at
-    # the first step of epoch 2 (tests/test_keras_limits_jax.py): epoch 3
+    # the first step of epoch 2 (tests/test_keras_limits.py): epoch 3
     # has no compile in it, and neither has a fit without a distribution.
     fit("plain_epoch3", keras.optimizers.SGD(1e-3), epochs=3)
     keras.distribution.set_distribution(None)

@@ -153,7 +153,7 @@ if BACKEND == "jax":
     # Several devices: DataParallel. One device (one GPU): no distribution,
     # since Keras 3.15's DataParallel over a single device compiles the
     # train step again at the second step and at every epoch's first one
-    # (tests/test_keras_limits_jax.py), seconds of a BERT compile inside
+    # (tests/test_keras_limits.py), seconds of a BERT compile inside
     # each epoch.
     scope = (
         keras.distribution.DataParallel(devices=devices)

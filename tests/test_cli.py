@@ -1,6 +1,14 @@
-"""The `keras-mgpu` command: bad options, `info`, `report`, and the demo end
-to end in a process of its own (it sets up logical devices before
-TensorFlow starts, which this test process has already done)."""
+"""The `keras-mgpu` command on each backend: bad options, `info`, `report`,
+and the demo end to end.
+
+The demo sets up its devices (2) before TensorFlow or JAX starts, which
+this test process (4 devices) has already done, so it runs in a process of
+its own. On TensorFlow the demo runs of this module are forked one after
+the other from ONE process that imported TensorFlow, Keras and keras_mgpu
+once (`tests/_shared_process.py`: each `python -m keras_mgpu demo ...` with
+a fresh runtime of its own), which pays those imports once instead of four
+times.
+"""
 
 from __future__ import annotations
 
@@ -12,18 +20,27 @@ import subprocess
 import sys
 
 import pytest
+from _shared_process import run_shared
 
-from keras_mgpu import cli
+from keras_mgpu import _components, cli
+from keras_mgpu.backend import BackendNotSupportedError
 from keras_mgpu.cli import _common as cli_common
 from keras_mgpu.cli import info as cli_info
 
+pytestmark = pytest.mark.backends("tensorflow", "jax")
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+BACKEND = os.environ["KERAS_BACKEND"]
 
 # The demo test trains 5 epochs (55 updates). Measured on held-out digits
 # with seeds 0-3: 0.95-0.96 at 5 epochs, 0.97-0.98 at the default 10.
 DEMO_TEST_EPOCHS = 5
 ACCURACY_THRESHOLD = 0.9
+
+# Components the end-to-end demo test turns off on JAX: none (each one
+# works there or refuses at construction, which the demo reports).
+NOT_YET_ON_JAX: list[str] = []
 
 
 def _run(args: list, timeout: float, cwd=None, env=None):
@@ -178,9 +195,11 @@ def test_help_lists_the_commands(capsys):
         assert command in out
 
 
+@pytest.mark.backends("tensorflow")
 def test_python_m_keras_mgpu_exit_code():
     # `python -m keras_mgpu` is `sys.exit(cli.main())`: the exit code and
-    # message reach the shell.
+    # message reach the shell. The options are parsed before a backend
+    # starts, so one job runs this process.
     result = _run(["demo", "--epochs", "-3"], timeout=120)
     assert result.returncode == 2
     assert "argument --epochs: must be an integer" in result.stderr
@@ -189,10 +208,9 @@ def test_python_m_keras_mgpu_exit_code():
 # ----------------------------------------------------------------------
 # info
 # ----------------------------------------------------------------------
-def test_info(capsys):
-    assert cli.main(["info"]) == 0
-    out = capsys.readouterr().out
-    for text in (
+# What `info` prints on each backend (in this process: 4 CPU devices).
+INFO_TEXTS = {
+    "tensorflow": (
         "TensorFlow 2.",
         "Keras 3.",
         "flavour keras3",
@@ -202,10 +220,33 @@ def test_info(capsys):
         "NVML:",
         "MirroredStrategy",
         "MultiWorkerMirroredStrategy  model.fit fails in Keras 3",
-    ):
+    ),
+    "jax": (
+        "Backend: jax (KERAS_BACKEND=jax)",
+        "JAX 0.",
+        "Keras 3.",
+        "0 accelerator(s), 4 CPU device(s)",
+        "DataParallel                 model.fit across the 4 CPU device(s)",
+        "keras_mgpu components on jax (each one constructed here):",
+        "  PowerSGD                       refuses: use "
+        "GradientAccumulationOptimizer without compression",
+        "  apply_placement                refuses: use "
+        "keras.distribution.ModelParallel",
+        "TensorFlow imported: ",
+    ),
+}
+
+
+def test_info(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    for text in INFO_TEXTS[BACKEND]:
         assert text in out, out
+    if BACKEND == "jax":
+        assert "MirroredStrategy" not in out
 
 
+@pytest.mark.backends("tensorflow")
 def test_a_gpu_tensorflow_cannot_see_is_named_with_the_fix():
     note = cli_common.gpu_mismatch_note(nvml_gpus=2, tensorflow_gpus=0)
     assert "NVML sees 2 GPU(s) but TensorFlow sees none" in note
@@ -223,6 +264,7 @@ def test_the_command_is_a_package_of_one_module_per_command():
         assert callable(module.run) and callable(module.add_parser)
 
 
+@pytest.mark.backends("tensorflow")
 def test_strategy_lines_follow_flavour_and_gpus():
     keras3 = "\n".join(cli_info.strategy_lines(False, 0, 2))
     assert "across logical CPU devices" in keras3
@@ -293,26 +335,103 @@ def test_report_on_a_folder_and_missing_steps(tmp_path, capsys):
 # ----------------------------------------------------------------------
 # demo, end to end
 # ----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    output = tmp_path_factory.mktemp("demo")
-    result = _run(
+# The demo runs of the shared TensorFlow process: name, the test that reads
+# it, its options, and the seconds it may take on the loaded 2-core machine.
+DEMOS = {
+    "main": (
+        "test_demo_trains_across_two_logical_cpus",
+        ["--epochs", str(DEMO_TEST_EPOCHS)],
+        240,
+    ),
+    "every_component_off": (
+        "test_demo_with_every_component_off",
         [
-            "demo",
-            "--cpu",  # 2 logical CPU devices, with or without GPUs
             "--epochs",
-            str(DEMO_TEST_EPOCHS),
-            "--output",
-            str(output),
+            "1",
+            "--no-accumulation",
+            "--no-warmup",
+            "--no-scaling",
+            "--no-monitors",
+            "--no-recompute",
         ],
-        timeout=240,
+        180,
+    ),
+    # A budget of 4 MB fits micro-batches of about 128 of the digits CNN
+    # (TensorFlow's CPU allocator, oneDNN on in the demo's process): the
+    # global batch of 512 on 2 replicas needs accumulation.
+    "global_batch_by_memory": (
+        "test_demo_global_batch_by_memory",
+        ["--epochs", "1", "--global-batch", "512", "--memory-budget-mb", "4"],
+        240,
+    ),
+    "model_parallel": (
+        "test_demo_model_parallel_splits_the_cnn_across_two_devices",
+        ["--model-parallel", "--micro-batches", "4", "--epochs", "3"],
+        240,
+    ),
+}
+# The first test to ask for the shared process waits for all of it.
+DEMOS_TIMEOUT = pytest.mark.timeout(sum(d[2] for d in DEMOS.values()) + 60)
+# The tests that read the main demo's run.
+MAIN_DEMO_TESTS = {
+    "test_demo_trains_across_two_logical_cpus",
+    "test_demo_prints_progress_table_and_paths",
+    "test_demo_files_and_report_from_its_csv",
+}
+
+
+@pytest.fixture(scope="module")
+def demo_runs(request, tmp_path_factory) -> dict:
+    """Runs the demos this session selected (a `-m "not slow"` run leaves
+    the slow ones out) from one pre-imported process, each `--cpu` (2 logical
+    CPU devices, with or without GPUs) with an output folder of its own;
+    returns name: (output folder, result, summary)."""
+    selected = {
+        item.originalname
+        for item in request.session.items
+        if item.module is request.module
+    }
+    if selected & MAIN_DEMO_TESTS:
+        selected.add(DEMOS["main"][0])
+    runs, outputs = {}, {}
+    for name, (test, options, _) in DEMOS.items():
+        if test in selected:
+            outputs[name] = tmp_path_factory.mktemp(name)
+            argv = ["-m", "keras_mgpu", "demo", "--cpu", *options]
+            runs[name] = ([*argv, "--output", str(outputs[name])], REPO_ROOT)
+    results = run_shared(
+        runs,
+        tmp_path_factory.mktemp("shared"),
+        # The demo turns oneDNN on (its CPU allocator statistics) where
+        # the environment does not say; CI may say 0.
+        env={
+            "PYTHONPATH": REPO_ROOT,
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "TF_USE_LEGACY_KERAS": "0",
+            "TF_ENABLE_ONEDNN_OPTS": "1",
+        },
+        timeout=sum(DEMOS[name][2] for name in runs),
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {name: (outputs[name], results[name]) for name in runs}
+
+
+def _demo(demo_runs, name: str) -> tuple:
+    """(output folder, result, summary) of demo run `name`, asserted to have
+    exited with 0."""
+    output, result = demo_runs[name]
+    result.check(f"keras-mgpu demo ({name})")
     with open(output / "summary.json") as f:
         summary = json.load(f)
     return output, result, summary
 
 
+@pytest.fixture
+def demo_run(demo_runs):
+    return _demo(demo_runs, "main")
+
+
+@pytest.mark.backends("tensorflow")
+@DEMOS_TIMEOUT
 def test_demo_trains_across_two_logical_cpus(demo_run):
     output, result, summary = demo_run
     assert summary["device_kind"] == "CPU"
@@ -332,6 +451,8 @@ def test_demo_trains_across_two_logical_cpus(demo_run):
     assert "samples/s" in demo.format_summary(summary)
 
 
+@pytest.mark.backends("tensorflow")
+@DEMOS_TIMEOUT
 def test_demo_prints_progress_table_and_paths(demo_run):
     output, result, summary = demo_run
     out = result.stdout
@@ -437,6 +558,8 @@ def test_host_memory_label_names_what_the_process_holds(
     assert demo._process_holders(modules, environ) == holders
 
 
+@pytest.mark.backends("tensorflow")
+@DEMOS_TIMEOUT
 def test_demo_files_and_report_from_its_csv(demo_run, tmp_path):
     output, _, summary = demo_run
     assert _is_png(output / "report.png")
@@ -461,26 +584,10 @@ def test_demo_files_and_report_from_its_csv(demo_run, tmp_path):
     assert _is_png(again)
 
 
-def test_demo_with_every_component_off(tmp_path):
-    result = _run(
-        [
-            "demo",
-            "--cpu",
-            "--epochs",
-            "1",
-            "--no-accumulation",
-            "--no-warmup",
-            "--no-scaling",
-            "--no-monitors",
-            "--no-recompute",
-            "--output",
-            str(tmp_path),
-        ],
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    with open(tmp_path / "summary.json") as f:
-        summary = json.load(f)
+@pytest.mark.backends("tensorflow")
+@DEMOS_TIMEOUT
+def test_demo_with_every_component_off(demo_runs):
+    tmp_path, result, summary = _demo(demo_runs, "every_component_off")
     assert summary["accumulation_steps"] == 1
     assert summary["global_batch_size"] == 64
     assert summary["updates"] == 22
@@ -497,30 +604,10 @@ def test_demo_with_every_component_off(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_global_batch_by_memory(tmp_path):
-    # A budget of 4 MB fits micro-batches of about 128 of the digits CNN
-    # (TensorFlow's CPU allocator, oneDNN on in the demo's process): the
-    # global batch of 512 on 2 replicas needs accumulation. The demo turns
-    # oneDNN on only where the environment does not say; CI may say 0.
-    result = _run(
-        [
-            "demo",
-            "--cpu",
-            "--epochs",
-            "1",
-            "--global-batch",
-            "512",
-            "--memory-budget-mb",
-            "4",
-            "--output",
-            str(tmp_path),
-        ],
-        timeout=240,
-        env={"TF_ENABLE_ONEDNN_OPTS": "1"},
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    with open(tmp_path / "summary.json") as f:
-        summary = json.load(f)
+@pytest.mark.backends("tensorflow")
+@DEMOS_TIMEOUT
+def test_demo_global_batch_by_memory(demo_runs):
+    _, result, summary = _demo(demo_runs, "global_batch_by_memory")
     found = summary["batch_by_memory"]
     batch, steps = (
         summary["per_replica_batch_size"],
@@ -537,6 +624,7 @@ def test_demo_global_batch_by_memory(tmp_path):
     assert "batch by memory" in out
 
 
+@pytest.mark.backends("tensorflow")
 def test_demo_global_batch_larger_than_the_data():
     from keras_mgpu import demo
 
@@ -552,24 +640,10 @@ def test_demo_global_batch_larger_than_the_data():
 
 
 @pytest.mark.slow
-def test_demo_model_parallel_splits_the_cnn_across_two_devices(tmp_path):
-    result = _run(
-        [
-            "demo",
-            "--cpu",
-            "--model-parallel",
-            "--micro-batches",
-            "4",
-            "--epochs",
-            "3",
-            "--output",
-            str(tmp_path),
-        ],
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    with open(tmp_path / "summary.json") as f:
-        summary = json.load(f)
+@pytest.mark.backends("tensorflow")
+@DEMOS_TIMEOUT
+def test_demo_model_parallel_splits_the_cnn_across_two_devices(demo_runs):
+    _, result, summary = _demo(demo_runs, "model_parallel")
     assert summary["model_parallel"] is True and summary["replicas"] == 1
     assert summary["micro_batches"] == 4
     stages = [row for row in summary["placement"] if row["stage"] is not None]
@@ -588,3 +662,99 @@ def test_demo_model_parallel_splits_the_cnn_across_two_devices(tmp_path):
         "micro-batches per step" in out
     )
     assert "placement             CPU:0: conv2d, recompute_conv_block" in out
+
+
+# ----------------------------------------------------------------------
+# The JAX backend
+# ----------------------------------------------------------------------
+@pytest.mark.backends("jax")
+def test_info_lines_from_a_given_component_table():
+    rows = [
+        ("LearningRateWarmup", True, ""),
+        ("PowerSGD", False, "PowerSGD does not ... On jax, use X instead."),
+        ("MemoryMonitor", False, f"{_components.FAILED} (ImportError: tf)"),
+    ]
+    text = "\n".join(cli_info.jax_lines(rows))
+    assert "  LearningRateWarmup  works" in text
+    assert "  PowerSGD            refuses: use X instead" in text
+    assert "  MemoryMonitor       ERROR: failed at construction (Import" in text
+
+
+def test_components_that_refuse_are_skipped_with_the_reason(monkeypatch):
+    from keras_mgpu import demo as demo_module
+
+    probes = _components._probes()
+
+    def refuse():
+        raise BackendNotSupportedError("MemoryMonitor does not support jax")
+
+    probes["MemoryMonitor"] = refuse
+    monkeypatch.setattr(_components, "_probes", lambda: probes)
+    config = demo_module.drop_refused_components(
+        demo_module.DemoConfig(output_dir="unused")
+    )
+    assert config.skipped == {
+        "MemoryMonitor": "MemoryMonitor does not support jax"
+    }
+    assert config.monitors  # GPULoadMonitor constructs: monitors stay on
+    probes["GPULoadMonitor"] = refuse
+    probes["ThroughputMonitor"] = refuse
+    config = demo_module.drop_refused_components(
+        demo_module.DemoConfig(output_dir="unused")
+    )
+    assert not config.monitors and len(config.skipped) == 3
+
+
+@pytest.mark.backends("jax")
+def test_tensorflow_only_demo_options_refuse_on_jax(tmp_path, capsys):
+    for option, instead in (
+        (["--model-parallel"], "keras.distribution.ModelParallel"),
+        (["--global-batch", "256"], "--batch-size and --accumulation-steps"),
+    ):
+        assert cli.main(["demo", *option, "--output", str(tmp_path)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("keras-mgpu demo: error: ")
+        assert instead in err
+
+
+@pytest.mark.slow
+@pytest.mark.backends("jax")
+def test_demo_trains_under_data_parallel_without_tensorflow(tmp_path):
+    args = ["demo", "--cpu", "--devices", "2", "--epochs", "1"]
+    args += NOT_YET_ON_JAX
+    if "--no-warmup" not in NOT_YET_ON_JAX:
+        args += ["--warmup-epochs", "0.25"]  # one epoch: a short ramp
+    result = _run(
+        [*args, "--output", str(tmp_path)],
+        timeout=300,
+        env={"KERAS_BACKEND": "jax"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert (
+        "keras.distribution.DataParallel (JAX backend) on 2 CPU devices" in out
+    )
+    assert "backend               jax (JAX 0." in out
+    assert (
+        "devices               2 x CPU device under keras.distribution" in out
+    )
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["backend"] == "jax"
+    assert summary["distribution"] == "keras.distribution.DataParallel"
+    assert summary["replicas"] == 2
+    # 1437 images // 64 per step = 22 steps of whole batches.
+    assert summary["train_images"] == 22 * 64
+    assert summary["updates"] == 22 // summary["accumulation_steps"]
+    assert summary["skipped"] == {}
+    assert summary["tensorflow_imported"] is False
+    # Issue 37: the process's memory is labelled by what it holds.
+    (host,) = [
+        r for r in summary["peak_memory"] if r["device"] == "host process"
+    ]
+    assert host["what"].endswith("high-water mark: JAX, XLA and Python)")
+    assert "TensorFlow" not in out and "oneDNN" not in out
+    assert summary["final_accuracy"] > 0.5  # 10 classes; 0.73 measured
+    with open(tmp_path / "report.png", "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    assert (tmp_path / "jax.log").exists()

@@ -1,8 +1,18 @@
 """Every script in examples/ runs (with --quick), so the examples never rot.
 
-Each runs in a process of its own, as a user runs it: the scripts set up
-logical devices (and the tf_keras flavour for TFMOT) before TensorFlow
-starts.
+On TensorFlow the single-process Keras 3 examples (mirrored training, the
+custom loop, TensorBoard, model parallelism, the batch by memory, the
+KerasHub fine-tune) run one after the other, each in a fresh process forked
+from ONE process that imported TensorFlow, Keras and keras_mgpu once
+(`tests/_shared_process.py`), each as a user runs it (`__main__`, its own
+arguments and folder, its own TensorFlow runtime and 2 logical CPU devices,
+which this test process, with 4, can no longer set up): the ~5 s of CPU of
+those imports are paid once instead of six times. The others keep
+processes of their own: the multi-worker and Ray examples start a cluster,
+the preemption example kills and restarts its job, the TFMOT example needs
+the tf_keras flavour before TensorFlow is imported, the testing example is
+a pytest session of its own, and on JAX the KerasHub example needs 2 CPU
+devices before JAX starts (this process has 4).
 """
 
 from __future__ import annotations
@@ -17,25 +27,29 @@ import subprocess
 import sys
 
 import pytest
+from _shared_process import run_shared
+
+pytestmark = pytest.mark.backends("tensorflow", "jax")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO_ROOT, "examples")
+BACKEND = os.environ["KERAS_BACKEND"]
+
+# The CPU path (2 logical devices) on every machine, so the replica counts
+# below hold with or without GPUs.
+EXAMPLE_ENV = {
+    "PYTHONPATH": REPO_ROOT,
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "TF_USE_LEGACY_KERAS": "0",
+    "CUDA_VISIBLE_DEVICES": "-1",
+}
 
 
 def _run_example(name: str, tmp_path, timeout: float, env=None, args=()):
     result = subprocess.run(
         [sys.executable, os.path.join(EXAMPLES, name), "--quick", *args],
         cwd=tmp_path,
-        env={
-            **os.environ,
-            "PYTHONPATH": REPO_ROOT,
-            "TF_CPP_MIN_LOG_LEVEL": "2",
-            "TF_USE_LEGACY_KERAS": "0",
-            # The CPU path (2 logical devices) on every machine, so the
-            # replica counts below hold with or without GPUs.
-            "CUDA_VISIBLE_DEVICES": "-1",
-            **(env or {}),
-        },
+        env={**os.environ, **EXAMPLE_ENV, **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -45,6 +59,56 @@ def _run_example(name: str, tmp_path, timeout: float, env=None, args=()):
         f"{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-3000:]}"
     )
     return result.stdout
+
+
+# The examples of the shared TensorFlow process: the test that reads each
+# one's output, and the seconds each may take on the loaded 2-core machine.
+SHARED = {
+    "mirrored_training": ("test_mirrored_training", 180),
+    "custom_training_loop": ("test_custom_training_loop", 180),
+    "tensorboard_monitoring": ("test_tensorboard_monitoring", 180),
+    "model_parallel": ("test_model_parallel", 240),
+    "batch_size_by_memory": ("test_batch_size_by_memory", 300),
+    "fine_tune_keras_hub": ("test_fine_tune_keras_hub", 300),
+}
+
+# The first test to ask for the shared process waits for all of it.
+SHARED_TIMEOUT = pytest.mark.timeout(sum(t for _, t in SHARED.values()) + 60)
+
+
+@pytest.fixture(scope="module")
+def shared_runs(request, tmp_path_factory) -> tuple:
+    """Runs the shared examples this session selected (a `-m "not slow"`
+    run leaves the slow ones out) from one pre-imported process; returns
+    their results and the folder each ran in."""
+    selected = {
+        item.originalname
+        for item in request.session.items
+        if item.module is request.module
+    }
+    runs, folders = {}, {}
+    for name, (test, _) in SHARED.items():
+        if test in selected:
+            folders[name] = tmp_path_factory.mktemp(name)
+            script = os.path.join(EXAMPLES, f"{name}.py")
+            runs[name] = ([script, "--quick"], folders[name])
+    results = run_shared(
+        runs,
+        tmp_path_factory.mktemp("shared"),
+        # CPU allocator statistics need oneDNN (the batch by memory; the
+        # TensorBoard example turns it on itself), whatever the suite runs
+        # with; it is TensorFlow's default on x86.
+        env={**EXAMPLE_ENV, "TF_ENABLE_ONEDNN_OPTS": "1"},
+        timeout=sum(SHARED[name][1] for name in runs),
+    )
+    return results, folders
+
+
+def _shared(shared_runs, name: str) -> tuple:
+    """The stdout of shared example `name` (asserted to have exited with
+    0) and the folder it ran in."""
+    results, folders = shared_runs
+    return results[name].check(f"{name}.py"), folders[name]
 
 
 def _number(pattern: str, text: str) -> float:
@@ -81,8 +145,10 @@ def test_examples_use_only_public_names():
             assert not private.search(text), (name, private.search(text)[0])
 
 
-def test_mirrored_training(tmp_path):
-    out = _run_example("mirrored_training.py", tmp_path, timeout=180)
+@pytest.mark.backends("tensorflow")
+@SHARED_TIMEOUT
+def test_mirrored_training(shared_runs):
+    out, tmp_path = _shared(shared_runs, "mirrored_training")
     assert "2 replicas" in out
     assert "global batch 256 = 32 per replica x 2 replicas x 4 steps" in out
     # 2048 samples / 64 per step = 32 steps, 8 updates an epoch, 2 epochs.
@@ -98,19 +164,43 @@ def test_mirrored_training(tmp_path):
         assert f.read(4) == b"\x89PNG"
 
 
-def test_custom_training_loop(tmp_path):
-    out = _run_example("custom_training_loop.py", tmp_path, timeout=180)
+@pytest.mark.backends("tensorflow")
+@SHARED_TIMEOUT
+def test_custom_training_loop(shared_runs):
+    out, _ = _shared(shared_runs, "custom_training_loop")
     # 32 micro-steps an epoch, 4 per update, 2 epochs.
     assert "micro-steps: 64, updates (optimizer.iterations): 16" in out
     assert _number(r"final validation accuracy: ([\d.]+)", out) > 0.5
 
 
 @pytest.mark.slow  # ~90 s on the loaded 2-core CI machine
-def test_fine_tune_keras_hub(tmp_path):
+@SHARED_TIMEOUT
+def test_fine_tune_keras_hub(shared_runs_if_tf, tmp_path):
+    """On each backend: TensorFlow's MirroredStrategy in the shared
+    process, JAX's DataParallel in a process of its own."""
     if importlib.util.find_spec("keras_hub") is None:
         pytest.skip('keras-hub is not installed ("keras-mgpu[hub]")')
-    out = _run_example("fine_tune_keras_hub.py", tmp_path, timeout=300)
-    assert "backend: tensorflow" in out and "2 replicas" in out
+    if BACKEND == "tensorflow":
+        out, _ = _shared(shared_runs_if_tf, "fine_tune_keras_hub")
+    else:
+        # Without this process's XLA_FLAGS (4 CPU devices): the example
+        # asks for 2 before JAX starts.
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        result = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(EXAMPLES, "fine_tune_keras_hub.py"),
+                "--quick",
+            ],
+            cwd=tmp_path,
+            env={**env, "PYTHONPATH": REPO_ROOT, "KERAS_BACKEND": "jax"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        out = result.stdout
+        assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert f"backend: {BACKEND}" in out and "2 replicas" in out
     # Both encoder layers of the 2-layer BERT switched; the backbone is
     # still a BertBackbone inside the user's classifier.
     assert (
@@ -122,6 +212,7 @@ def test_fine_tune_keras_hub(tmp_path):
     assert _number(r"updates: (\d+)", out) == 8
     assert re.search(r"memory keys: mem/host_rss_mb", out)
     # ThroughputMonitor's figures of the last epoch (no peak on a CPU).
+    assert re.search(r"last epoch: \d+\.\d samples/s, \d+ tokens/s", out)
     assert _number(r"last epoch: ([\d.]+) samples/s", out) > 0
     assert _number(r"samples/s, ([\d.]+) tokens/s", out) > 0
     first = _number(r"first epoch loss: ([\d.]+)", out)
@@ -129,8 +220,19 @@ def test_fine_tune_keras_hub(tmp_path):
     assert 0 < final < 1.0 and 0 < first < 1.0  # finite, near ln 2
 
 
-def test_tensorboard_monitoring(tmp_path):
-    out = _run_example("tensorboard_monitoring.py", tmp_path, timeout=180)
+@pytest.fixture
+def shared_runs_if_tf(request):
+    """`shared_runs` in the TensorFlow job; None in the JAX job (whose
+    examples run in processes of their own)."""
+    if BACKEND != "tensorflow":
+        return None
+    return request.getfixturevalue("shared_runs")
+
+
+@pytest.mark.backends("tensorflow")
+@SHARED_TIMEOUT
+def test_tensorboard_monitoring(shared_runs):
+    out, tmp_path = _shared(shared_runs, "tensorboard_monitoring")
     tags = set(re.findall(r"^  train: (\S+) = ", out, flags=re.M))
     assert {"epoch_loss", "epoch_mem/host_rss_mb"} <= tags, tags
     # No GPU here (CUDA_VISIBLE_DEVICES=-1): CPU utilization instead.
@@ -143,6 +245,7 @@ def test_tensorboard_monitoring(tmp_path):
 
 
 @pytest.mark.slow  # ~90 s on the loaded 2-core CI machine
+@pytest.mark.backends("tensorflow")
 def test_preemption_resume(tmp_path):
     out = _run_example("preemption_resume.py", tmp_path, timeout=300)
     assert "[job] SIGKILL in epoch 2, step 10/16" in out
@@ -161,14 +264,11 @@ def test_preemption_resume(tmp_path):
     assert difference < 1e-6
 
 
-def test_batch_size_by_memory(tmp_path):
-    # CPU allocator statistics need oneDNN, whatever the suite runs with.
-    out = _run_example(
-        "batch_size_by_memory.py",
-        tmp_path,
-        timeout=300,
-        env={"TF_ENABLE_ONEDNN_OPTS": "1"},
-    )
+@pytest.mark.backends("tensorflow")
+@SHARED_TIMEOUT
+def test_batch_size_by_memory(shared_runs):
+    # With oneDNN on (see shared_runs): CPU allocator statistics need it.
+    out, _ = _shared(shared_runs, "batch_size_by_memory")
     assert "the largest batch is" in out  # the measured part of the decision
     split = re.findall(
         r"global batch (\d+) = (\d+) per replica x (\d+) replicas x "
@@ -191,8 +291,10 @@ def test_batch_size_by_memory(tmp_path):
     )
 
 
-def test_model_parallel(tmp_path):
-    out = _run_example("model_parallel.py", tmp_path, timeout=240)
+@pytest.mark.backends("tensorflow")
+@SHARED_TIMEOUT
+def test_model_parallel(shared_runs):
+    out, tmp_path = _shared(shared_runs, "model_parallel")
     stages = re.findall(
         r"stage (\d) on /device:CPU:(\d): (\d+) layers, (\d+) parameters",
         out,
@@ -235,6 +337,7 @@ def _tf_configs(out: str) -> list[dict]:
     return [json.loads(c) for c in re.findall(r"TF_CONFIG='(.*?)'", out)]
 
 
+@pytest.mark.backends("tensorflow")
 def test_launch_tf_config_sh(tmp_path):
     script = os.path.join(EXAMPLES, "launch_tf_config.sh")
     assert subprocess.run(["bash", "-n", script]).returncode == 0
@@ -331,6 +434,7 @@ def _free_port_pair() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.backends("tensorflow")
 def test_launch_tf_config_sh_trains_the_multi_worker_example(tmp_path):
     result = _launch(
         "-n",
@@ -339,6 +443,10 @@ def test_launch_tf_config_sh_trains_the_multi_worker_example(tmp_path):
         sys.executable,
         os.path.join(EXAMPLES, "multi_worker.py"),
         "--quick",
+        # One epoch: what this test checks is the launcher's cluster (the
+        # two-epoch run is test_multi_worker_launches_two_local_workers).
+        "--epochs",
+        "1",
         "--backup-dir",
         str(tmp_path / "backup"),
         env={
@@ -358,7 +466,7 @@ def test_launch_tf_config_sh_trains_the_multi_worker_example(tmp_path):
     # line in pieces (CI's PYTHONUNBUFFERED once mixed the two workers'
     # final lines into one).
     finals = re.findall(
-        r"^\[worker (\d)\] updates: 32, .* weights checksum: (\S+)$",
+        r"^\[worker (\d)\] updates: 16, .* weights checksum: (\S+)$",
         result.stdout,
         re.M,
     )
@@ -367,6 +475,7 @@ def test_launch_tf_config_sh_trains_the_multi_worker_example(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.backends("tensorflow")
 def test_multi_worker_launches_two_local_workers(tmp_path):
     out = _run_example(
         "multi_worker.py", tmp_path, timeout=300, args=("--timeout", "240")
@@ -391,6 +500,7 @@ def test_multi_worker_launches_two_local_workers(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.backends("tensorflow")
 def test_ray_train_runs_keras3_fit_on_two_workers(tmp_path):
     if importlib.util.find_spec("ray") is None:
         pytest.skip('Ray is not installed (pip install "keras-mgpu[ray]")')
@@ -414,6 +524,7 @@ def test_ray_train_runs_keras3_fit_on_two_workers(tmp_path):
         assert {h.rsplit(":", 1)[0] for h in hosts} == {"127.0.0.1"}
 
 
+@pytest.mark.backends("tensorflow")
 def test_tfmot_pruning(tmp_path):
     # find_spec, not importorskip: importing TFMOT here would set
     # TF_USE_LEGACY_KERAS=1 for the rest of this Keras 3 test session.
@@ -433,6 +544,7 @@ def test_tfmot_pruning(tmp_path):
     assert _number(r"accuracy \(pruned model\): ([\d.]+)", out) > 0.3
 
 
+@pytest.mark.backends("tensorflow")
 def test_the_testing_example_project_passes_with_the_plugin():
     """examples/testing: a user's tests run by pytest with keras_mgpu's
     plugin activated from its pytest.ini (every strategy of the matrix and
