@@ -1,13 +1,18 @@
-"""keras_mgpu.callbacks.BackupAndRestore on one process: Keras's behaviour
-(exact resume mid-window, epoch granularity) plus the atomic commit, the
-double checkpoint and the workers' agreement check. The multi-worker kill /
-restart runs are in tests/distribute/test_worker_failures.py."""
+"""keras_mgpu.callbacks.BackupAndRestore on one process, on both backends:
+a fit interrupted by an exception, resumed in a fresh model, ends at the
+weights of the uninterrupted run (Adam's moments included), mid-epoch and at
+epoch ends, with and without replicas (`tf.distribute.MirroredStrategy` or
+`keras.distribution.DataParallel`); Keras's behaviour (exact resume
+mid-window, epoch granularity) plus the atomic commit, the double checkpoint
+and the workers' agreement check. The multi-worker kill / restart runs are in
+tests/distribute/test_worker_failures.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -17,6 +22,18 @@ from conftest import make_strategy
 from keras_mgpu import GradientAccumulationOptimizer
 from keras_mgpu._flavour import keras
 from keras_mgpu.callbacks import BackupAndRestore, LearningRateWarmup
+
+pytestmark = pytest.mark.backends("tensorflow", "jax")
+
+JAX = keras.backend.backend() == "jax"
+TF_ONLY = pytest.mark.backends("tensorflow")
+JAX_ONLY = pytest.mark.backends("jax")
+# The replicated entry of the strategy matrix, and its replica count.
+REPLICATED = "data_parallel_4" if JAX else "mirrored_2"
+REPLICAS = 4 if JAX else 2
+
+STEPS = 5  # 40 samples, batch 8: 5 steps an epoch
+EPOCHS = 4
 
 
 class _Interrupt(keras.callbacks.Callback):
@@ -59,6 +76,7 @@ def _run(strategy, backup, callbacks=(), epochs=4):
     return model, history
 
 
+@TF_ONLY
 @pytest.mark.parametrize("name", ["default", "mirrored_2"])
 def test_interrupted_run_resumes_to_the_uninterrupted_weights(name, tmp_path):
     backup = str(tmp_path / "backup")
@@ -77,6 +95,7 @@ def test_interrupted_run_resumes_to_the_uninterrupted_weights(name, tmp_path):
     assert not os.path.exists(backup)  # deleted at the end, as Keras's
 
 
+@TF_ONLY
 def test_a_kill_during_a_save_leaves_the_previous_backup(tmp_path, monkeypatch):
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="interrupted"):
@@ -99,6 +118,7 @@ def test_a_kill_during_a_save_leaves_the_previous_backup(tmp_path, monkeypatch):
     assert history.epoch == [2, 3]
 
 
+@TF_ONLY
 def test_double_checkpoint_falls_back_to_the_previous_backup(tmp_path):
     backup = str(tmp_path / "backup")
     callback = BackupAndRestore(backup, double_checkpoint=True)
@@ -132,6 +152,7 @@ def test_double_checkpoint_falls_back_to_the_previous_backup(tmp_path):
     assert history.epoch == [2, 3]
 
 
+@TF_ONLY
 def test_workers_that_see_different_backups_are_named(tmp_path, monkeypatch):
     from keras_mgpu.distribute import collectives
 
@@ -152,6 +173,7 @@ def test_workers_that_see_different_backups_are_named(tmp_path, monkeypatch):
         _run(make_strategy("default"), backup)
 
 
+@TF_ONLY
 def test_reads_a_backup_written_by_keras(tmp_path):
     backup = str(tmp_path / "backup")
     x, y = regression_data(16)
@@ -192,6 +214,22 @@ def test_bad_save_freq(save_freq, tmp_path):
         BackupAndRestore(str(tmp_path), save_freq=save_freq)
 
 
+def test_no_loadable_backup_is_a_clear_error(tmp_path):
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit("default", backup, [_Interrupt(1, 0)])
+    with open(os.path.join(backup, _metadata(backup)["weights"]), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(
+        ValueError,
+        match=r"No backup in backup_dir=.* can be read by every worker: "
+        r"'backup-.*' \(epoch 1\): worker 0 cannot read it \(here: .*"
+        r"SHA-256 does not match\)\)\. No worker starts training",
+    ):
+        _fit("default", backup)
+
+
+@TF_ONLY
 @pytest.mark.parametrize("save_freq", [0, False])
 def test_save_freq_false_restores_but_saves_nothing(save_freq, tmp_path):
     """Keras documents `save_freq=False` (no periodic saves; Keras 3.15
@@ -266,6 +304,7 @@ def _metadata(backup):
         return json.load(f)
 
 
+@TF_ONLY
 @pytest.mark.parametrize(
     "name, per_execution",
     # MirroredStrategy / MultiWorker iterators: tests/distribute/
@@ -300,6 +339,7 @@ def test_int_save_freq_resumes_mid_epoch_exactly_across_two_crashes(
     _assert_like_reference(model, _reference_weights())
 
 
+@TF_ONLY
 def test_first_save_after_a_restart_never_overwrites_the_backup(
     tmp_path, monkeypatch
 ):
@@ -326,6 +366,7 @@ def test_first_save_after_a_restart_never_overwrites_the_backup(
     _assert_like_reference(model, _reference_weights())
 
 
+@TF_ONLY
 def test_a_kill_while_deleting_the_backup_leaves_no_pointer_to_a_lost_file(
     tmp_path, monkeypatch
 ):
@@ -352,6 +393,7 @@ def test_a_kill_while_deleting_the_backup_leaves_no_pointer_to_a_lost_file(
     _assert_like_reference(model, _reference_weights())
 
 
+@TF_ONLY
 def test_refuses_a_restart_on_another_cluster_shape(tmp_path):
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="interrupted"):
@@ -361,21 +403,6 @@ def test_refuses_a_restart_on_another_cluster_shape(tmp_path):
         match=r"written by a job of 1 worker\(s\) and 2 replica\(s\); this "
         r"job has 1 worker\(s\) and 1 replica\(s\)\. .* restart with 1 "
         r"worker\(s\) and 2 replica\(s\), or delete backup_dir",
-    ):
-        _run(make_strategy("default"), backup)
-
-
-def test_no_loadable_backup_is_a_clear_error(tmp_path):
-    backup = str(tmp_path / "backup")
-    with pytest.raises(RuntimeError, match="interrupted"):
-        _run(make_strategy("default"), backup, [_Interrupt(1, 0)])
-    with open(os.path.join(backup, _metadata(backup)["weights"]), "r+b") as f:
-        f.truncate(100)
-    with pytest.raises(
-        ValueError,
-        match=r"No backup in backup_dir=.* can be read by every worker: "
-        r"'backup-.*' \(epoch 1\): worker 0 cannot read it \(here: .*"
-        r"SHA-256 does not match\)\)\. No worker starts training",
     ):
         _run(make_strategy("default"), backup)
 
@@ -399,6 +426,7 @@ _KERAS_TESTS_FAILED_BY_DESIGN = {
 }
 
 
+@TF_ONLY
 @pytest.mark.slow
 @_KERAS_TEST_MARKS
 def test_keras_own_test_file_against_ours(monkeypatch):
@@ -434,6 +462,7 @@ def test_bad_save_freq_keeps_keras_words(tmp_path):
         BackupAndRestore(str(tmp_path), save_freq="batch")
 
 
+@TF_ONLY
 @_KERAS_TEST_MARKS
 def test_keras_step_case_resumes_without_training_batches_twice(tmp_path):
     """Keras's `test_best_case_step` on ours: a canary counts the batches
@@ -579,6 +608,7 @@ def _restored(backup: str, history: list) -> dict | None:
     return last["previous"]
 
 
+@TF_ONLY
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:BackupAndRestore. the backup's pointer")
 @pytest.mark.parametrize("save_freq", ["epoch", 2])
@@ -673,3 +703,267 @@ def test_double_checkpoint_always_keeps_an_intact_copy(save_freq, tmp_path):
     for a, b in zip(model.get_weights(), final):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert not os.path.exists(backup)
+
+
+# ----------------------------------------------------------------------
+# Both backends: Adam (its moments compared too) in the scope of an entry
+# of the strategy matrix
+# ----------------------------------------------------------------------
+def _optimizer(accumulation: int | None = None):
+    return keras.optimizers.Adam(0.01, gradient_accumulation_steps=accumulation)
+
+
+def _fit(
+    name="default",
+    backup=None,
+    callbacks=(),
+    save_freq="epoch",
+    optimizer=_optimizer,
+    per_execution=1,
+):
+    """Build, compile and fit inside the scope of the strategy matrix's
+    entry `name` (on JAX the layout of a variable is fixed when it is
+    created, and Keras reads the distribution in force to split the batch)."""
+    x, y = regression_data(STEPS * 8)
+    with make_strategy(name).scope():
+        model = mlp()
+        model.compile(
+            optimizer=optimizer(),
+            loss="mse",
+            steps_per_execution=per_execution,
+        )
+        history = model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=EPOCHS,
+            shuffle=False,
+            verbose=0,
+            callbacks=[
+                *([BackupAndRestore(backup, save_freq)] if backup else []),
+                *callbacks,
+            ],
+        )
+    return model, history
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(optimizer=_optimizer, key="adam"):
+    """The uninterrupted run on the default device (computed once)."""
+    if key not in _REFERENCES:
+        model, _ = _fit(optimizer=optimizer)
+        _REFERENCES[key] = (
+            model.get_weights(),
+            [np.asarray(v) for v in model.optimizer.variables],
+        )
+    return _REFERENCES[key]
+
+
+def _assert_like_adam_reference(model, reference):
+    weights, optimizer_variables = reference
+    for a, b in zip(model.get_weights(), weights, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # Adam's moments and the step counters too, not only the weights.
+    for a, b in zip(
+        model.optimizer.variables, optimizer_variables, strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "name, save_freq, interrupt, saved",
+    [
+        # Epoch backups: resumes at the epoch after the last one ended.
+        ("default", "epoch", (2, 3), (2, -1)),
+        (REPLICATED, "epoch", (2, 3), (2, -1)),
+        # Every 3 batches of 5, counted across epochs (after the 3rd, 6th,
+        # 9th, 12th batch): the last save before (2, 4) is after batch 1
+        # of epoch 2, mid-epoch.
+        ("default", 3, (2, 4), (2, 1)),
+        (REPLICATED, 3, (2, 4), (2, 1)),
+    ],
+)
+def test_interrupted_run_resumes_to_the_uninterrupted_state(
+    name, save_freq, interrupt, saved, tmp_path, monkeypatch
+):
+    if JAX:  # nothing on this path may import TensorFlow (it now fails)
+        monkeypatch.setitem(sys.modules, "tensorflow", None)
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(name, backup, [_Interrupt(*interrupt)], save_freq)
+    metadata = _metadata(backup)
+    assert (metadata["epoch"], metadata["batch"]) == saved
+    assert metadata["num_replicas"] == (REPLICAS if name == REPLICATED else 1)
+    trained = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            trained.append(bool(logs))  # a skipped batch logs nothing
+
+    model, history = _fit(name, backup, [Count()], save_freq)
+    assert history.epoch == list(range(saved[0], EPOCHS))
+    # The batches the backup holds are read and dropped, not trained.
+    assert sum(trained) == (EPOCHS - saved[0]) * STEPS - (saved[1] + 1)
+    _assert_like_adam_reference(model, _reference())
+    assert not os.path.exists(backup)  # delete_checkpoint=True
+
+
+@pytest.mark.parametrize("name", ["default", REPLICATED])
+def test_accumulation_wrapper_resumes_mid_window(name, tmp_path):
+    def wrapped():
+        return GradientAccumulationOptimizer(keras.optimizers.Adam(0.01), 3)
+
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(name, backup, [_Interrupt(2, 2)], 2, wrapped)
+    assert (_metadata(backup)["epoch"], _metadata(backup)["batch"]) == (2, 1)
+    model, _ = _fit(name, backup, (), 2, wrapped)
+    _assert_like_adam_reference(model, _reference(wrapped, key="wrapped"))
+    # .numpy(): int() of a MirroredVariable's value fails on TensorFlow.
+    assert int(model.optimizer.iterations.numpy()) == (EPOCHS * STEPS) // 3
+
+
+# ----------------------------------------------------------------------
+# JAX only: another device count resumes, Keras's own accumulation, the
+# processes' rows, sharded state
+# ----------------------------------------------------------------------
+@JAX_ONLY
+@pytest.mark.slow
+def test_two_steps_per_execution_resume_mid_epoch(tmp_path):
+    """With 2 steps an execution, saves (every 2 batches) fall at the ends
+    of executions: the last before (1, 4) is after batch 3 of epoch 1."""
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(REPLICATED, backup, [_Interrupt(1, 4)], 2, per_execution=2)
+    assert (_metadata(backup)["epoch"], _metadata(backup)["batch"]) == (1, 3)
+    model, history = _fit(REPLICATED, backup, (), 2, per_execution=2)
+    assert history.epoch == [1, 2, 3]
+    _assert_like_adam_reference(model, _reference())
+
+
+@JAX_ONLY
+def test_a_data_parallel_backup_resumes_on_one_device(tmp_path):
+    """On JAX the step is one global program (optimizer state is global,
+    not per replica): another device count resumes exactly, so the shape
+    check that TensorFlow needs is not made here."""
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(REPLICATED, backup, [_Interrupt(1, 2)], 2)
+    model, _ = _fit("default", backup, (), 2)
+    _assert_like_adam_reference(model, _reference())
+
+
+@JAX_ONLY
+@pytest.mark.slow
+def test_keras_gradient_accumulation_resumes_mid_window(tmp_path):
+    """Keras's built-in `gradient_accumulation_steps=3` over 5 steps an
+    epoch: windows straddle epochs, and the backups (every 2 batches) fall
+    inside windows; the accumulators are optimizer variables, so the
+    resume is exact."""
+    backup = str(tmp_path / "backup")
+
+    def accumulating():
+        return _optimizer(accumulation=3)
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(REPLICATED, backup, [_Interrupt(2, 2)], 2, accumulating)
+    assert (_metadata(backup)["epoch"], _metadata(backup)["batch"]) == (2, 1)
+    model, _ = _fit(REPLICATED, backup, (), 2, accumulating)
+    reference = _reference(accumulating, key="adam_accumulating")
+    _assert_like_adam_reference(model, reference)
+    assert int(model.optimizer.iterations) == (EPOCHS * STEPS) // 3
+
+
+@JAX_ONLY
+def test_process_rows_travel_exactly(monkeypatch):
+    """The processes' agreement gathers float64 rows (SHA-256 words of 48
+    bits among them) through jax.distributed's key-value store: bit-exact,
+    in process order, each exchange under keys of its own, every wait
+    bounded."""
+    import jax
+
+    from keras_mgpu.backend.jax import kv_store, processes
+
+    row = [1.0, float(2**48 - 1), 0.1, -3.5e300]
+    assert processes.allgather_rows(row).tolist() == [row]  # one process
+
+    class Store:  # jax.distributed's client, holding process 1's rows
+        def __init__(self):
+            self.values, self.waits, self.deleted = {}, [], []
+
+        def key_value_set(self, key, value):
+            assert key not in self.values  # never overwritten
+            self.values[key] = value
+            other = key[: key.rindex("/")] + "/1"
+            self.values[other] = np.asarray(row[::-1]).tobytes().hex()
+
+        def blocking_key_value_get(self, key, timeout_in_ms):
+            self.waits.append(timeout_in_ms)
+            return self.values[key]
+
+        def key_value_delete(self, key):
+            self.deleted.append(key)
+            del self.values[key]  # KeyError: an exchange before this test
+
+    store = Store()
+    monkeypatch.setattr(processes, "several_processes", lambda: True)
+    monkeypatch.setattr(kv_store, "client", lambda: store)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    first = next(processes._CALLS) + 1  # other tests' exchanges went before
+    for _ in range(3):
+        gathered = processes.allgather_rows(row)
+        assert gathered.dtype == np.float64
+        assert gathered.tolist() == [row, row[::-1]]
+    # 3 exchanges x 2 processes, less this process's key of the first
+    # (deleted at the third, when every process has read it)
+    assert len(store.values) == 5
+    assert store.deleted[-1] == f"{processes._PREFIX}/{first}/0"
+    assert store.waits and all(0 < w <= 600_000 for w in store.waits)
+
+
+@JAX_ONLY
+def test_sharded_state_is_named():
+    from keras_mgpu.backend.jax.backup import sharded_variables
+
+    devices = keras.distribution.list_devices("cpu")
+    with keras.distribution.DataParallel(devices=devices).scope():
+        replicated = mlp()
+    assert sharded_variables(replicated.variables) == []
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense.*kernel"] = (None, "model")
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+    with distribution.scope():
+        sharded = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(8, name="dense_wide")]
+        )
+    assert sharded_variables(sharded.variables) == [
+        sharded.layers[0].kernel.path
+    ]
+
+
+@JAX_ONLY
+def test_split_state_is_refused_before_any_collective(monkeypatch, tmp_path):
+    from keras_mgpu.backend.jax import backup, processes
+    from keras_mgpu.distribute import strategy
+
+    calls = []
+    monkeypatch.setattr(strategy, "is_multi_worker", lambda s=None: True)
+    monkeypatch.setattr(
+        backup, "sharded_variables", lambda v: ["dense/kernel"] * 4
+    )
+    monkeypatch.setattr(processes, "allgather_rows", calls.append)
+    with pytest.raises(
+        ValueError,
+        match=r"needs every variable replicated on every device \(a "
+        r"keras.distribution.DataParallel\): .* 4 variable\(s\) are "
+        r"sharded by the distribution's layout "
+        r"\(dense/kernel, dense/kernel, dense/kernel \.\.\.\)",
+    ):
+        _fit("default", str(tmp_path / "backup"))
+    assert calls == []  # raised before the processes' first collective
