@@ -3,9 +3,10 @@ tf_keras flavour.
 
 Keras 3 on JAX runs in pytest processes of its own with `KERAS_BACKEND=jax`
 and 4 CPU devices (`XLA_FLAGS`, set by keras_mgpu.testing before JAX
-starts): `tests/conftest.py` collects only the `test_*_jax.py` modules there
-and skips them on TensorFlow. `--backend jax` (or `tensorflow`) runs one
-backend's jobs only.
+starts): `tests/conftest.py` collects there the modules that declare
+`pytest.mark.backends(..., "jax")` (most: a test is written once for both
+backends) and the JAX-only `test_*_jax.py` ones. `--backend jax` (or
+`tensorflow`) runs one backend's jobs only.
 
 The Keras flavour is fixed per process, so the tf_keras tests
 (`tests/legacy`) run in a pytest process of their own with
