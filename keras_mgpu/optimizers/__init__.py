@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from keras_mgpu._flavour import IS_TF_KERAS, object_flavour
+from keras_mgpu.optimizers import _accumulation_common
 
 if IS_TF_KERAS:
     from keras_mgpu.optimizers.gradient_accumulation_tf_keras import (
@@ -36,5 +37,9 @@ def _wrapper_class_for(inner_optimizer: Any) -> type | None:
         return gradient_accumulation_tf_keras.GradientAccumulationOptimizer
     return None
 
+
+# Constructing a flavour's class with the other flavour's inner optimizer
+# builds the other class (`AccumulationProtocol.__new__` asks this lookup).
+_accumulation_common.install_flavour_lookup(_wrapper_class_for)
 
 __all__ = ["GradientAccumulationOptimizer"]

@@ -333,6 +333,18 @@ def _inner_setting(name: str) -> property:
     return property(getter, setter, doc=f"The inner optimizer's `{name}`.")
 
 
+# The `GradientAccumulationOptimizer` class for an inner optimizer's flavour
+# (None for neither), installed by the package, `keras_mgpu/optimizers/
+# __init__.py`, which imports the flavour modules lazily: this module, below
+# both flavours, does not import its package (no import circle).
+_flavour_lookup: list = [lambda inner_optimizer: None]
+
+
+def install_flavour_lookup(lookup: Any) -> None:
+    """Install the package's `lookup(inner_optimizer) -> class | None`."""
+    _flavour_lookup[0] = lookup
+
+
 class AccumulationProtocol:
     """Mixin: counters, pass-throughs and the per-micro-step protocol.
 
@@ -357,9 +369,7 @@ class AccumulationProtocol:
     """
 
     def __new__(cls, inner_optimizer: Any = None, *args: Any, **kwargs: Any):
-        from keras_mgpu.optimizers import _wrapper_class_for
-
-        target = _wrapper_class_for(inner_optimizer)
+        target = _flavour_lookup[0](inner_optimizer)
         # Only our own two classes redirect; a user's subclass keeps its
         # flavour (and its check names the mismatch).
         if (
