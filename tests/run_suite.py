@@ -11,11 +11,12 @@ backends) and the JAX-only `test_*_jax.py` ones. `--backend jax` (or
 The Keras flavour is fixed per process, so the tf_keras tests
 (`tests/legacy`) run in a pytest process of their own with
 `TF_USE_LEGACY_KERAS=1`. Each run spreads its test files over two
-pytest-xdist processes (`--dist loadfile`: a module's tests, and the
-multi-worker cluster its module fixture starts, stay in one process),
-which take the longest modules first (`tests/_suite_order.py`): the run
-ends when the process with the last module ends, so a 4-minute module
-(the examples) must not be the last one. Extra arguments are passed to
+pytest-xdist processes (three in the Keras 3 on TensorFlow job, see
+KERAS3_WORKERS; `--dist loadfile`: a module's tests, and the multi-worker
+cluster its module fixture starts, stay in one process), which take the
+longest modules first (`tests/_suite_order.py`): the run ends when the
+process with the last module ends, so a 4-minute module (the examples)
+must not be the last one. Extra arguments are passed to
 every pytest run (`-n 0` runs everything in one process;
 KERAS_MGPU_TEST_WORKERS sets the number of processes).
 
@@ -65,6 +66,11 @@ import xml.etree.ElementTree as ET
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 WORKERS = os.environ.get("KERAS_MGPU_TEST_WORKERS", "2")
+# The Keras 3 on TensorFlow job takes a third process on the 2 cores: its
+# two kept the cores ~84% busy (2026-11-28: 3,050 CPU-s over 2 x 1,807 s;
+# the rest spent waiting on processes the tests start: clusters, examples,
+# fresh interpreters). KERAS_MGPU_TEST_WORKERS sets every job's count.
+KERAS3_WORKERS = os.environ.get("KERAS_MGPU_TEST_WORKERS", "3")
 
 OLDEST_VENV = os.path.join(REPO_ROOT, ".venv-oldest")
 OLDEST_INSTALL_TIMEOUT = 900  # seconds; measured 41 s with a warm cache
@@ -123,7 +129,7 @@ def _run(
         "pytest",
         *paths,
         "-n",
-        WORKERS,
+        KERAS3_WORKERS if label == "keras3" else WORKERS,
         "--dist",
         "loadfile",
         # The longest modules first (tests/_suite_order.py).
