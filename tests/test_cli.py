@@ -3,11 +3,10 @@ and the demo end to end.
 
 The demo sets up its devices (2) before TensorFlow or JAX starts, which
 this test process (4 devices) has already done, so it runs in a process of
-its own. On TensorFlow the demo runs of this module are forked one after
-the other from ONE process that imported TensorFlow, Keras and keras_mgpu
-once (`tests/_shared_process.py`: each `python -m keras_mgpu demo ...` with
-a fresh runtime of its own), which pays those imports once instead of four
-times.
+its own. On TensorFlow the demo runs of this module run once per
+session, one after the other, from one module fixture
+(`tests/_shared_process.py`, each `python -m keras_mgpu demo ...` in a
+fresh process); each test reads its run.
 """
 
 from __future__ import annotations
@@ -370,7 +369,7 @@ DEMOS = {
         240,
     ),
 }
-# The first test to ask for the shared process waits for all of it.
+# The first test to ask for the shared runs waits for all of them.
 DEMOS_TIMEOUT = pytest.mark.timeout(sum(d[2] for d in DEMOS.values()) + 60)
 # The tests that read the main demo's run.
 MAIN_DEMO_TESTS = {
@@ -383,7 +382,7 @@ MAIN_DEMO_TESTS = {
 @pytest.fixture(scope="module")
 def demo_runs(request, tmp_path_factory) -> dict:
     """Runs the demos this session selected (a `-m "not slow"` run leaves
-    the slow ones out) from one pre-imported process, each `--cpu` (2 logical
+    the slow ones out), one after the other, each `--cpu` (2 logical
     CPU devices, with or without GPUs) with an output folder of its own;
     returns name: (output folder, result, summary)."""
     selected = {

@@ -2,12 +2,11 @@
 
 On TensorFlow the single-process Keras 3 examples (mirrored training, the
 custom loop, TensorBoard, model parallelism, the batch by memory, the
-KerasHub fine-tune) run one after the other, each in a fresh process forked
-from ONE process that imported TensorFlow, Keras and keras_mgpu once
-(`tests/_shared_process.py`), each as a user runs it (`__main__`, its own
-arguments and folder, its own TensorFlow runtime and 2 logical CPU devices,
-which this test process, with 4, can no longer set up): the ~5 s of CPU of
-those imports are paid once instead of six times. The others keep
+KerasHub fine-tune) run once per session, one after the other, from one
+module fixture (`tests/_shared_process.py`), each in a fresh process as a
+user runs it (`__main__`, its own arguments and folder, its own TensorFlow
+runtime and 2 logical CPU devices, which this test process, with 4, can no
+longer set up); each test reads its example's run. The others keep
 processes of their own: the multi-worker and Ray examples start a cluster,
 the preemption example kills and restarts its job, the TFMOT example needs
 the tf_keras flavour before TensorFlow is imported, the testing example is
@@ -72,14 +71,14 @@ SHARED = {
     "fine_tune_keras_hub": ("test_fine_tune_keras_hub", 300),
 }
 
-# The first test to ask for the shared process waits for all of it.
+# The first test to ask for the shared runs waits for all of them.
 SHARED_TIMEOUT = pytest.mark.timeout(sum(t for _, t in SHARED.values()) + 60)
 
 
 @pytest.fixture(scope="module")
 def shared_runs(request, tmp_path_factory) -> tuple:
     """Runs the shared examples this session selected (a `-m "not slow"`
-    run leaves the slow ones out) from one pre-imported process; returns
+    run leaves the slow ones out), one after the other; returns
     their results and the folder each ran in."""
     selected = {
         item.originalname
