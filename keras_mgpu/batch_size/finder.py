@@ -119,7 +119,7 @@ def find_batch_size(
     mostly batch-sized buffers, not weights and optimizer state. Tested on
     CPU with a model whose fixed part is ~70% of the budget: the answer's
     steps stay within the budget in a fresh process, and the answer is
-    0.55-0.79 of the largest batch that fits there (the search's process
+    0.45-0.79 of the largest batch that fits there (the search's process
     reads the allocator 2-5 MB high, depending on its history). Pass a larger
     `safety_margin` for long runs on a busy allocator. On CPU, TensorFlow
     keeps

@@ -596,8 +596,11 @@ FRESH_OVERSHOOT = 0.12
 # of ~15 MB here, so the reach varies from run to run. With parallel ops
 # the fresh figures themselves move (1969 samples peaked at 45.5 MB in
 # stop 40's CI), hence one thread of each kind in every process of this
-# test. The former fixed 20% margin reached 0.3: the bound still fails it.
-NEAR_MAX_RATIO = 0.45
+# test. In stop 41's CI an answer of 951 let 2114 fit (49.4 MB): the fresh
+# figures move by ~1 MB even on one thread, so the bound is 0.35 (answers
+# seen: 951-1539). The former fixed 20% margin reached 0.3: the bound still
+# fails it.
+NEAR_MAX_RATIO = 0.35
 ONEDNN = {
     "TF_ENABLE_ONEDNN_OPTS": "1",
     "TF_NUM_INTEROP_THREADS": "1",

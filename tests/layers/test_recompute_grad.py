@@ -120,7 +120,13 @@ FIT_CASES = [
     ("default", {}),
     ("default", {"jit_compile": True}),
     ("default", {"mixed_float16": True}),
-    ("mirrored_2", {}),
+    # Deterministic under Mirrored: with Dropout and BatchNormalization the
+    # PLAIN model's first-epoch loss came out 2.441525 once in stop 41's CI
+    # (3 test processes on 2 cores) where six plain runs give 2.440732 (as
+    # did the recomputed one): a race inside Keras/TensorFlow's replicas,
+    # not ours. Dropout replay under Mirrored stays covered bit for bit by
+    # test_recompute_keras_hub.py's BERT and GPT-2 `fit`.
+    ("mirrored_2", {"deterministic": True}),
 ]
 
 
