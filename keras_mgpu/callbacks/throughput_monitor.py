@@ -460,8 +460,17 @@ class ThroughputMonitor(*callback_bases()):
             return 0.0
         from keras_mgpu.backend.jax.flops import COMPILE_LOG
 
+        # Only the part of each compilation inside the window: an event is
+        # logged at its end, and one that began before `start` (the steps'
+        # host clock lags the dispatching thread under asynchronous
+        # dispatch) counted whole made the window's seconds negative and
+        # the rates NaN (seen once in CI on a loaded machine).
         _, _, events = COMPILE_LOG.since(start)
-        return sum(e[1] for e in events if e[0] <= end and e[2])
+        return sum(
+            max(0.0, min(end, e[0]) - max(start, e[0] - e[1]))
+            for e in events
+            if e[2]
+        )
 
     def _compile(self, step_seconds: float) -> tuple[float, float]:
         """Compilations during this `fit` so far: (count, seconds)."""

@@ -444,3 +444,20 @@ def test_peaks_table_by_device_kind_and_dtype():
     )
     assert device_peaks.peak_flops("TPU v4", "float16") is None
     assert device_peaks.peak_flops("cpu", "float32") is None
+
+
+@pytest.mark.backends("jax")
+def test_only_the_part_of_a_compilation_inside_the_window_is_left_out(
+    monkeypatch,
+):
+    """A compilation is logged at its end; one that began before the
+    window's first step counts only from there (counted whole it made the
+    window's seconds negative and every rate NaN, once in CI)."""
+    from keras_mgpu.backend.jax import flops
+
+    monitor = ThroughputMonitor()
+    # (end, seconds, is a backend compile): 3 s ending 1 s into the window
+    # [10, 12]; 0.5 s wholly inside it; a trace that is no backend compile.
+    events = [(11.0, 3.0, True), (11.8, 0.5, True), (11.9, 0.2, False)]
+    monkeypatch.setattr(flops.COMPILE_LOG, "events", events)
+    assert monitor._compile_within(10.0, 12.0) == pytest.approx(1.5)
