@@ -10,8 +10,15 @@ import contextlib
 import keras
 import numpy as np
 import pytest
-from callbacks import lr_jax_helpers, lr_mw_bodies
+from callbacks import lr_jax_helpers
 from callbacks._lr_argument_cases import WARMUP_CALLBACK_BAD_INPUT
+from callbacks._lr_recording import (
+    JAX,
+    RecordingSGD,
+    data,
+    expected_warmup,
+    tiny_model,
+)
 
 from keras_mgpu.backend import BackendNotSupportedError
 from keras_mgpu.callbacks import LearningRateScaler, LearningRateWarmup
@@ -19,16 +26,6 @@ from keras_mgpu.schedules import Warmup, _optimizer_lr
 
 pytestmark = pytest.mark.backends("tensorflow", "jax")
 
-JAX = keras.backend.backend() == "jax"
-# The recording optimizer, model and data of the running backend (the
-# TensorFlow one aggregates its log for tf.distribute's replicas).
-helpers = lr_jax_helpers if JAX else lr_mw_bodies
-RecordingSGD, data, tiny_model = (
-    helpers.RecordingSGD,
-    helpers.data,
-    helpers.tiny_model,
-)
-expected_warmup = lr_jax_helpers.expected_warmup
 TF_ONLY = pytest.mark.backends("tensorflow")
 JAX_ONLY = pytest.mark.backends("jax")
 

@@ -209,9 +209,10 @@ def test_samples_per_sec_is_the_wall_clock_rate_of_its_window():
     assert figures["samples_per_sec"] >= 5 * BATCH / outside
 
 
-def test_an_accumulation_window_is_one_update():
-    # The arithmetic on a model that is set, not fitted (an accumulating
-    # step takes ~20 s to compile on JAX): 8 steps, 10 ms apart.
+def _read_a_set_model(**arguments) -> tuple:
+    """(model, monitor, figures) of a `ThroughputMonitor(**arguments)` on a
+    model that is set, not fitted (an accumulating step takes ~20 s to
+    compile on JAX), K = 2, its clock given 8 steps 10 ms apart."""
     model = _mlp()
     _compile(
         model,
@@ -219,15 +220,20 @@ def test_an_accumulation_window_is_one_update():
             keras.optimizers.SGD(0.01), accumulation_steps=2
         ),
     )
-    monitor = ThroughputMonitor(
-        window_size=4, flops_per_sample=1000.0, batch_size=BATCH
-    )
+    monitor = ThroughputMonitor(**arguments)
     monitor.set_model(model)
     monitor.on_train_begin()
     monitor.on_epoch_begin(0)
     for step in range(8):
         monitor._ends[step] = 10.0 + 0.01 * step
     figures = {k.split("/")[-1]: v for k, v in monitor.read().items()}
+    return model, monitor, figures
+
+
+def test_an_accumulation_window_is_one_update():
+    _, _, figures = _read_a_set_model(
+        window_size=4, flops_per_sample=1000.0, batch_size=BATCH
+    )
     assert figures["window_steps"] == 4
     assert figures["batches_per_sec"] == pytest.approx(100.0)
     assert figures["samples_per_sec"] == pytest.approx(100.0 * BATCH)
@@ -237,21 +243,13 @@ def test_an_accumulation_window_is_one_update():
 
 
 def test_bytes_per_update_and_predicted_scaling_at_n_devices():
-    # The arithmetic on a set model (no fit): 8 steps, 10 ms apart, K = 2.
     from keras_mgpu.monitoring import (
         INTERCONNECTS,
         predict_scaling,
         update_bytes,
     )
 
-    model = _mlp()
-    _compile(
-        model,
-        GradientAccumulationOptimizer(
-            keras.optimizers.SGD(0.01), accumulation_steps=2
-        ),
-    )
-    monitor = ThroughputMonitor(
+    model, monitor, figures = _read_a_set_model(
         window_size=4,
         flops_per_sample=1000.0,
         batch_size=BATCH,
@@ -259,12 +257,6 @@ def test_bytes_per_update_and_predicted_scaling_at_n_devices():
         network_gbps="network_400gbit",
         predict_at=(1, 8, 64),
     )
-    monitor.set_model(model)
-    monitor.on_train_begin()
-    monitor.on_epoch_begin(0)
-    for step in range(8):
-        monitor._ends[step] = 10.0 + 0.01 * step
-    figures = {k.split("/")[-1]: v for k, v in monitor.read().items()}
     assert set(monitor.keys) >= {
         f"perf/scaling_efficiency_at_{n}" for n in (1, 8, 64)
     }
