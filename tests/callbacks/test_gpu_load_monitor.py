@@ -50,6 +50,17 @@ def _fresh_notes(monkeypatch):
         monkeypatch.setitem(sys.modules, "tensorflow", None)
 
 
+# What the psutil fallback logs with two (faked) cores.
+CPU_KEYS_OF_TWO_CORES = {
+    "cpu/util_mean_pct",
+    "cpu/util_max_pct",
+    "cpu/core0_util_mean_pct",
+    "cpu/core1_util_mean_pct",
+    "cpu/util_spread_pct",
+    "cpu/samples",
+}
+
+
 def compiled_model():
     model = mlp()
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
@@ -181,14 +192,7 @@ def test_without_nvml_logs_cpu_per_core_and_warns_once():
     assert "no NVIDIA driver or GPU" in str(record[0].message)
     h = history.history
     assert monitor.mode == "cpu"
-    assert set(monitor.keys) == {
-        "cpu/util_mean_pct",
-        "cpu/util_max_pct",
-        "cpu/core0_util_mean_pct",
-        "cpu/core1_util_mean_pct",
-        "cpu/util_spread_pct",
-        "cpu/samples",
-    }
+    assert set(monitor.keys) == CPU_KEYS_OF_TWO_CORES
     assert h["cpu/util_mean_pct"] == [50.0, 50.0]
     assert h["cpu/core1_util_mean_pct"] == [90.0, 90.0]
     assert h["cpu/util_spread_pct"] == [80.0, 80.0]
@@ -318,14 +322,7 @@ def test_on_cpu_devices_as_on_tensorflow_without_gpus(monkeypatch):
             history = fit_jax(monitor)
     assert seen == [None]
     assert monitor.mode == "cpu"
-    assert set(monitor.keys) == {
-        "cpu/util_mean_pct",
-        "cpu/util_max_pct",
-        "cpu/core0_util_mean_pct",
-        "cpu/core1_util_mean_pct",
-        "cpu/util_spread_pct",
-        "cpu/samples",
-    }
+    assert set(monitor.keys) == CPU_KEYS_OF_TWO_CORES
     assert history.history["cpu/util_spread_pct"] == [80.0, 80.0]
 
 
