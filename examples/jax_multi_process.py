@@ -120,14 +120,17 @@ def train(quick):
             verbose=0,
         )
     checksum = sum(float(np.abs(w).sum()) for w in model.get_weights())
-    print(
+    # One write per line: the processes share the launcher's stdout, and
+    # print() unbuffered writes the text and its newline separately, so two
+    # processes' lines could run together.
+    sys.stdout.write(
         f"{info['task_name']} (through {joined}'s variables): "
         f"{info['num_workers']} processes, "
         f"{len(distribution.device_mesh.devices.flat)} devices, "
         f"loss {history.history['loss'][-1]:.4f}, "
-        f"weights checksum {checksum:.6f}",
-        flush=True,
+        f"weights checksum {checksum:.6f}\n"
     )
+    sys.stdout.flush()
 
 
 def main():

@@ -43,7 +43,7 @@ def test_jax_multi_process_example(tmp_path):
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     lines = re.findall(
         r"process:(\d) \(through slurm's variables\): 2 processes, "
-        r"4 devices, loss \S+, weights checksum (\S+)",
+        r"4 devices, loss \S+, weights checksum (\d+\.\d{6})",
         out,
     )
     assert sorted(rank for rank, _ in lines) == ["0", "1"], out
