@@ -8,6 +8,8 @@ layers flat in one functional graph), a Dense head, MSE. Cases:
 - `per_layer`: `apply_recompute(model, policy="per_layer")`, each layer alone.
 - `per_block`: each residual block one recomputed unit (`group_by`).
 - `sqrt`, `min_memory`: those policies over the blocks (`group_by`).
+- `per_layer_offload`, `per_block_offload`: as `per_layer` / `per_block`
+  with `offload=True` (what each unit keeps lives in pinned host memory).
 - `remat_scope`: the blocks' layers built under `keras.RematScope(mode=
   "full")` (Keras rematerializes each layer's call alone).
 - `raw_checkpoint`: the same network written in JAX, the sqrt segments of
@@ -15,8 +17,9 @@ layers flat in one functional graph), a Dense head, MSE. Cases:
   for what the Keras machinery costs).
 
 Per case, one JSON line:
-- `residual_mib`: what the backward pass keeps between the passes (the
-  residuals of `jax.vjp` of the loss, arguments excluded), any device.
+- `residual_mib`: what the backward pass keeps between the passes on the
+  device (the residuals of `jax.vjp` of the loss, arguments excluded);
+  `host_residual_mib`: what it keeps in host memory (offload).
 - `backward_peak_mib`: the most intermediate values alive at once in the
   gradient program run in order (a checkpointed region's recomputation
   included): a static estimate of the activation peak, any device.
@@ -72,6 +75,8 @@ CASES = (
     "per_block",
     "sqrt",
     "min_memory",
+    "per_layer_offload",
+    "per_block_offload",
     "remat_scope",
     "raw_checkpoint",
 )
@@ -111,10 +116,12 @@ def build_model(case: str, args: argparse.Namespace):
         x = add([x, b(a(x))])
     outputs = keras.layers.Dense(1, name="head")(x)
     model = keras.Model(inputs, outputs)
+    offload = case.endswith("_offload")
+    case = case.removesuffix("_offload")
     if case == "per_layer":
-        keras_mgpu.apply_recompute(model, policy="per_layer")
+        keras_mgpu.apply_recompute(model, policy="per_layer", offload=offload)
     elif case == "per_block":
-        keras_mgpu.apply_recompute(model, group_by=_block_of)
+        keras_mgpu.apply_recompute(model, group_by=_block_of, offload=offload)
     elif case in ("sqrt", "min_memory"):
         keras_mgpu.apply_recompute(model, policy=case, group_by=_block_of)
     return model
@@ -178,11 +185,19 @@ def static_memory(case: str, model, args: argparse.Namespace) -> dict:
         loss = raw_loss(args)
         params = raw_params(model)
         kept = recompute_memory.residual_bytes(loss, params, x, y)
+        host = 0
         peak = recompute_memory.backward_peak_bytes(loss, params, x, y)
     else:
-        kept = recompute_memory.model_residual_bytes(model, x, y)
+        kept = recompute_memory.model_residual_bytes(
+            model, x, y, memory="device"
+        )
+        host = recompute_memory.model_residual_bytes(model, x, y, memory="host")
         peak = recompute_memory.model_backward_peak_bytes(model, x, y)
-    return {"residual_mib": kept / MIB, "backward_peak_mib": peak / MIB}
+    return {
+        "residual_mib": kept / MIB,
+        "host_residual_mib": host / MIB,
+        "backward_peak_mib": peak / MIB,
+    }
 
 
 def compiled_temp(case: str, model, args: argparse.Namespace) -> float | None:

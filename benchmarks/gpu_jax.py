@@ -469,7 +469,7 @@ def main() -> int:
                     *(quick or ["--gpu", "--steps", "2"]),
                 ],
                 "bench_recompute_jax",
-                240,
+                300,  # 9 cases since the two offload ones
             ),
         ),
         ("monitors", lambda: _run_case("monitors", args.quick, 150)),

@@ -146,6 +146,7 @@ def recompute(
     structure: Any,
     state_layers: Sequence[Any],
     again: Callable[[Any], Any] | None = None,
+    offload: bool = False,
 ) -> Any:
     """`forward(structure)`, with its activations recomputed in backprop.
 
@@ -166,13 +167,18 @@ def recompute(
             replayed / restored).
         again: the computation as the backward pass runs it (default:
             `forward`), e.g. through `Layer.__call__` rather than `call`.
+        offload: Keras 3 on JAX only: keep the inputs in pinned host
+            memory until the backward pass (`apply_recompute` refuses it
+            elsewhere at construction).
     """
     if not TF_RUNS:
         # Keras 3 on JAX: `jax.checkpoint` (keras_mgpu/backend/jax/), which
         # replays the traced forward: `again` has no use there.
         from keras_mgpu.backend.jax.recompute import recompute as on_jax
 
-        return on_jax(forward, structure, state_layers)
+        return on_jax(forward, structure, state_layers, offload=offload)
+    if offload:  # pragma: no cover - refused by apply_recompute
+        raise ValueError("offload=True needs Keras 3 on JAX.")
     again = again or forward
     flat = tf.nest.flatten(structure)
     diff_positions = [

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, Union
 
-from keras_mgpu._flavour import IS_TF_KERAS, check_flavour, keras
+from keras_mgpu._flavour import IS_TF_KERAS, TF_RUNS, check_flavour, keras
 from keras_mgpu._layer_calls import is_placed
 from keras_mgpu._validation import check_choice
 from keras_mgpu.backend import require_backend
@@ -36,6 +36,7 @@ from keras_mgpu.layers.recompute_in_place import (
     restore_graph,
     restore_layer,
     segment_plan_nodes,
+    set_offload,
     sqrt_segments,
     units_of,
 )
@@ -255,6 +256,7 @@ def apply_recompute(
     policy: str = "per_layer",
     in_place: bool = True,
     group_by: Callable[[Any], Hashable] | None = None,
+    offload: bool = False,
 ) -> Any:
     """Recompute the activations of chosen layers of `model` in backprop.
 
@@ -363,6 +365,19 @@ def apply_recompute(
             with a key other than None are grouped as described above;
             layers it maps to None are not chosen (with `layers=None`,
             their sublayers are searched instead).
+        offload: bool, default False. Keras 3 on JAX, in place: what each
+            recomputed unit keeps for the backward pass (its input
+            activations: a layer's or segment's inputs, with `"selective"`
+            the inputs of each recomputed part) is kept in pinned host
+            memory instead of on the device, moved there in the forward
+            pass and back just before the unit is replayed (JAX's
+            `save_and_offload_only_these_names` remat policy). The device
+            then holds the weights, the optimizer state and one unit's
+            activations at a time; the price is two host transfers of
+            each kept activation per step, which a GPU overlaps with
+            compute. Gradients are those of the plain model (dropout
+            replayed). Combines with every policy. TensorFlow has no
+            memory spaces in a traced step: refused there.
 
     Returns:
         `model` itself (`in_place=True`) or a new model of the same class.
@@ -407,6 +422,7 @@ def apply_recompute(
         )
     if policy == "selective":
         _check_selective(model, in_place, group_by)
+    _check_offload(offload, in_place)
     if group_by is not None and not in_place:
         raise ValueError(
             "Argument `group_by` groups layers of a functional graph in "
@@ -414,8 +430,33 @@ def apply_recompute(
             f"{group_by!r}, in_place=False"
         )
     if in_place:
-        return _apply_in_place(model, layers, policy, group_by)
+        return _apply_in_place(model, layers, policy, group_by, offload)
     return _apply_rebuild(model, layers, policy)
+
+
+def _check_offload(offload: Any, in_place: bool) -> None:
+    if not isinstance(offload, bool):
+        raise TypeError(
+            "Argument `offload` must be a bool. Received: "
+            f"offload={offload!r} (of type {type(offload).__name__})"
+        )
+    if not offload:
+        return
+    if TF_RUNS:
+        raise ValueError(
+            "offload=True keeps recomputed units' inputs in host memory "
+            "inside a jitted JAX step (memory spaces); TensorFlow's traced "
+            "step has none. On TensorFlow use policy='sqrt' or "
+            "'min_memory' (fewer kept activations) or a smaller batch with "
+            "GradientAccumulationOptimizer. Received: offload=True with "
+            f"backend {keras.backend.backend()!r}"
+        )
+    if not in_place:
+        raise ValueError(
+            "offload=True switches the chosen layers in place; pass "
+            "in_place=True (the default). Received: offload=True, "
+            f"in_place={in_place!r}"
+        )
 
 
 def _check_selective(model: Any, in_place: bool, group_by: Any) -> None:
@@ -443,7 +484,11 @@ def _check_selective(model: Any, in_place: bool, group_by: Any) -> None:
 
 
 def _apply_in_place(
-    model: Any, layers: LayerSelector, policy: str, group_by: Callable | None
+    model: Any,
+    layers: LayerSelector,
+    policy: str,
+    group_by: Callable | None,
+    offload: bool,
 ) -> Any:
     known = {layer.name for layer in _walk(model)}
     # layers=None matches every layer; the outermost are chosen, so without
@@ -476,16 +521,25 @@ def _apply_in_place(
     if policy == "selective":
         for layer in chosen:
             recompute_selective(layer)
-        reset_compiled_functions(model)
-        return model
+    else:
+        _switch_chosen(model, chosen, policy, group_by)
+    for layer in chosen:
+        # Read by each switched call inside the layer's tree: set after
+        # switching (a segment's switch restores its members first).
+        set_offload(layer, offload)
+    reset_compiled_functions(model)
+    return model
+
+
+def _switch_chosen(
+    model: Any, chosen: list, policy: str, group_by: Callable | None
+) -> None:
     placed: set = set()
     if policy != "per_layer" or group_by is not None:
         placed = _apply_segments(model, chosen, policy, group_by)
     for layer in chosen:
         if id(layer) not in placed:
             recompute_layer_in_place(layer)
-    reset_compiled_functions(model)
-    return model
 
 
 def _apply_segments(

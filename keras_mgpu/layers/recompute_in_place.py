@@ -46,6 +46,7 @@ _SELECTIVE_MARK = "_keras_mgpu_recompute_selective"
 _CORE_MARK = "_keras_mgpu_recompute_core"
 _ACTIVATION_MARK = "_keras_mgpu_recompute_activation"
 _REMAT_MARK = "_keras_mgpu_keras_remat_mode"
+_OFFLOAD_MARK = "_keras_mgpu_recompute_offload"
 
 # Layers whose recomputation is running on this thread (replica threads of
 # MirroredStrategy trace and differentiate concurrently): their switched
@@ -154,7 +155,13 @@ def _run_recomputed(layer: Any, class_call: Any, args, kwargs) -> Any:
         with _bypass(layer):
             return layer(*call_args, **call_kwargs)
 
-    return recompute(forward, (list(args), dict(kwargs)), [layer], again)
+    return recompute(
+        forward,
+        (list(args), dict(kwargs)),
+        [layer],
+        again,
+        offload=offloads(layer),
+    )
 
 
 def _recomputed_call(class_call: Any) -> Any:
@@ -249,7 +256,12 @@ def _switch_core(layer: Any) -> None:
             call_args, call_kwargs = structure
             return class_core(self, *call_args, **call_kwargs)
 
-        return recompute(forward, (list(args), dict(kwargs)), [self])
+        return recompute(
+            forward,
+            (list(args), dict(kwargs)),
+            [self],
+            offload=offloads(self),
+        )
 
     object.__setattr__(
         layer, "_compute_attention", types.MethodType(core, layer)
@@ -269,7 +281,7 @@ def _switch_activation(layer: Any, activation: Any) -> None:
     """
 
     def recomputed(x):
-        return recompute(activation, x, [])
+        return recompute(activation, x, [], offload=offloads(layer))
 
     # The name, module and docstring, for whoever reads them (not `__dict__`:
     # an activation object's attributes are its own).
@@ -352,9 +364,26 @@ def recompute_selective(block: Any) -> None:
     object.__setattr__(block, _SELECTIVE_MARK, True)
 
 
+def set_offload(root: Any, offload: bool) -> None:
+    """Whether the recomputed parts in `root`'s layer tree keep their
+    inputs in host memory (read at each call, so it holds for every switch
+    made inside `root`: its own call, segments, selective parts)."""
+    for layer in root._flatten_layers(include_self=True, recursive=True):
+        if offload:
+            object.__setattr__(layer, _OFFLOAD_MARK, True)
+        else:
+            layer.__dict__.pop(_OFFLOAD_MARK, None)
+
+
+def offloads(layer: Any) -> bool:
+    """Whether `layer`'s recomputed regions offload their inputs."""
+    return bool(layer.__dict__.get(_OFFLOAD_MARK, False))
+
+
 def restore_layer(layer: Any) -> bool:
     """Undo `recompute_layer_in_place` (and the selective switches of
     `recompute_selective`); True if there was something to undo."""
+    layer.__dict__.pop(_OFFLOAD_MARK, None)
     restored = _restore_selective(layer)
     restored = _give_back_remat(layer) or restored
     if not getattr(layer.__dict__.get("call"), _CALL_MARK, False):
@@ -578,7 +607,7 @@ def _run_segment(graph, segment, tensor_dict, operation_fn) -> list:
                 local[id(x)] = y
         return [local[id(x)] for x in exits]
 
-    return recompute(run, values, layers)
+    return recompute(run, values, layers, offload=offloads(layers[0]))
 
 
 def reset_compiled_functions(model: Any) -> None:
@@ -590,6 +619,8 @@ def reset_compiled_functions(model: Any) -> None:
 
 
 __all__ = [
+    "offloads",
+    "set_offload",
     "sqrt_segments",
     "units_of",
     "graph_of",

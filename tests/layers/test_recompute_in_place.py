@@ -519,6 +519,13 @@ def test_bad_arguments():
         apply_recompute(model, in_place="yes")
     with pytest.raises(TypeError, match="Received: group_by=3"):
         apply_recompute(model, in_place=True, group_by=3)
+    # Offload needs memory spaces in a jitted step: JAX only.
+    with pytest.raises(
+        ValueError,
+        match="TensorFlow use policy='sqrt'.*offload=True with backend "
+        "'tensorflow'",
+    ):
+        apply_recompute(model, offload=True)
     with pytest.raises(
         ValueError, match="pass in_place=True. Received: group_by"
     ):

@@ -288,6 +288,103 @@ def test_fit_under_a_distribution_equals_plain(kind):
 
 
 # ---------------------------------------------------------------------------
+# Offload: what a recomputed unit keeps lives in host memory.
+# ---------------------------------------------------------------------------
+
+
+def _offload_block():
+    """Dense-GELU, LayerNormalization, Dropout and a Dense with a layer
+    activation: every part `"selective"` switches, with a live dropout."""
+    inputs = keras.Input((FEATURES,))
+    x = inputs
+    for i in range(3):
+        x = keras.layers.Dense(WIDTH, activation="gelu", name=f"dense_{i}")(x)
+        x = keras.layers.LayerNormalization(name=f"norm_{i}")(x)
+        x = keras.layers.Dropout(0.3, name=f"dropout_{i}")(x)
+    x = keras.layers.Dense(
+        WIDTH, activation=keras.layers.LeakyReLU(0.2), name="leaky"
+    )(x)
+    return keras.Model(inputs, keras.layers.Dense(1, name="head")(x))
+
+
+def _host_bytes(model, x, y) -> int:
+    return recompute_memory.model_residual_bytes(model, x, y, memory="host")
+
+
+@pytest.mark.parametrize("policy", ["per_layer", "sqrt", "selective"])
+def test_offload_gradients_equal_plain_and_keep_activations_on_the_host(
+    policy,
+):
+    model = _offload_block()
+    x, y = _data(batch=32)
+    plain = _step(model, x, y)
+    keras_mgpu.apply_recompute(model, policy=policy)
+    on_device = recompute_memory.model_residual_bytes(
+        model, x, y, memory="device"
+    )
+    peak = recompute_memory.model_backward_peak_bytes(model, x, y)
+    assert _host_bytes(model, x, y) == 0
+    keras_mgpu.strip_recompute(model)
+    keras_mgpu.apply_recompute(model, policy=policy, offload=True)
+    # GELU and the norms round differently once regions split the program.
+    _assert_same_step(plain, _step(model, x, y), atol=1e-5)
+    host = _host_bytes(model, x, y)
+    left = recompute_memory.model_residual_bytes(model, x, y, memory="device")
+    activation = 32 * WIDTH * 4
+    if policy == "selective":
+        # The recomputed parts' inputs went to the host: the 3 Dense-GELU
+        # products, the 3 norms' inputs and the product LeakyReLU (a
+        # sublayer of "leaky") reads; the rest, kept as plainly (the
+        # Dense layers' inputs), stays on the device.
+        assert host == 7 * activation
+        assert left < on_device
+    else:
+        # What the units kept on the device went to the host (the input
+        # x, an argument before, is now copied there too); what stays is
+        # small (seed states and the like).
+        assert host >= on_device - activation
+        assert left < activation
+    # The device's peak: lower where the kept activations made it; with
+    # sqrt's two segments the replay of one segment makes it.
+    offloaded_peak = recompute_memory.model_backward_peak_bytes(model, x, y)
+    if policy == "sqrt":
+        assert offloaded_peak <= peak
+    else:
+        assert offloaded_peak < peak
+    keras_mgpu.strip_recompute(model)
+    assert _host_bytes(model, x, y) == 0
+
+
+@pytest.mark.parametrize("kind", ["data_parallel", "model_parallel"])
+def test_offload_in_fit_under_a_distribution_equals_plain(kind):
+    distribution = _distribution(kind)
+    x, y = _data(batch=32)
+    with distribution.scope():
+        plain, ours = _twins(_offload_block)
+        config = ours.get_config()
+        keras_mgpu.apply_recompute(ours, offload=True)
+        weights0 = _fit_weights(plain, x, y)
+        weights1 = _fit_weights(ours, x, y)
+        # The step `fit` jits moves to the host, for one batch of 16, the
+        # input of each unit whose backward needs it: dense_0's (x,
+        # FEATURES wide), the 3 norms', dense_1's, dense_2's, leaky's and
+        # the head's (WIDTH wide). A Dropout's backward needs only its
+        # mask: its input stays where it is.
+        moved = recompute_memory.train_step_offloaded_bytes(
+            ours, x[:16], y[:16]
+        )
+        assert moved == 16 * 4 * (FEATURES + 3 * WIDTH + 4 * WIDTH)
+        assert (
+            recompute_memory.train_step_offloaded_bytes(plain, x[:16], y[:16])
+            == 0
+        )
+    for a, b in zip(weights0, weights1, strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-6)
+    # Nothing of the switch is saved.
+    assert ours.get_config() == config
+
+
+# ---------------------------------------------------------------------------
 # keras-hub: a backbone recomputed in place keeps its class.
 # ---------------------------------------------------------------------------
 
@@ -433,6 +530,12 @@ def test_bad_arguments_raise_as_on_tensorflow():
         ),
         (lambda: apply(object()), TypeError, "keras.Model"),
         (lambda: keras_mgpu.strip_recompute("m"), TypeError, "keras.Model"),
+        (lambda: apply(model, offload="yes"), TypeError, "offload='yes'"),
+        (
+            lambda: apply(model, offload=True, in_place=False),
+            ValueError,
+            "offload=True.*in_place=True",
+        ),
         (lambda: RecomputeGrad("dense"), TypeError, "layer='dense'"),
         (
             lambda: RecomputeGrad(RecomputeGrad(keras.layers.Dense(2))),

@@ -200,6 +200,8 @@ def test_refusals():
         apply_recompute(model, "block", policy="min_memory", in_place=True)
     with pytest.raises(ValueError, match="under tf_keras use in_place=False"):
         apply_recompute(model, in_place=True, group_by=lambda layer: 0)
+    with pytest.raises(ValueError, match="Received: offload=True with backend"):
+        apply_recompute(model, offload=True)
 
 
 def _pruned_fit(in_place: bool):

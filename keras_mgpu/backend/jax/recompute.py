@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from keras_mgpu._flavour import keras
 from keras_mgpu.backend.layer_variables import unique_variables
@@ -40,6 +41,21 @@ def _is_array(x: Any) -> bool:
 
 def _is_traced(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
+
+
+def _is_floating(x: Any) -> bool:
+    return jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+
+
+# The name the offloaded activations carry inside a region (`checkpoint_name`)
+# and the policy that sends exactly those to the host.
+OFFLOADED_NAME = "keras_mgpu_offloaded"
+_OFFLOAD_POLICY = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=[OFFLOADED_NAME],
+    offload_src="device",
+    offload_dst="pinned_host",
+)
 
 
 # ---------------------------------------------------------------------------
@@ -125,10 +141,28 @@ def region_variables(layers: Sequence[Any]) -> list:
     return unique_variables(layers)
 
 
+def _offloading(region: Callable) -> Callable:
+    """`region` checkpointed with its first argument's floating arrays
+    (the activations it starts from) saved in pinned host memory (JAX's
+    `save_and_offload_only_these_names` policy): the forward moves them to
+    the host, the backward brings them back before it replays the region.
+    Nothing else inside is saved, as with a plain checkpoint."""
+
+    def named(arrays, *rest):
+        arrays = [
+            checkpoint_name(x, OFFLOADED_NAME) if _is_floating(x) else x
+            for x in arrays
+        ]
+        return region(arrays, *rest)
+
+    return jax.checkpoint(named, policy=_OFFLOAD_POLICY)
+
+
 def recompute(
     forward: Callable[[Any], Any],
     structure: Any,
     state_layers: Sequence[Any],
+    offload: bool = False,
 ) -> Any:
     """`forward(structure)`, its activations recomputed in the backward pass.
 
@@ -143,6 +177,10 @@ def recompute(
         state_layers: the layers `forward` runs; their variables (trainable
             weights, seed states, statistics) are the function's inputs, and
             their assignments and losses are applied outside it, once.
+
+        offload: keep the region's input activations (its floating
+            array arguments) in pinned host memory between the forward and
+            the backward pass instead of on the device.
 
     There is no `again` (the TensorFlow engine's second computation for the
     backward pass): `jax.checkpoint` replays the traced forward itself.
@@ -189,7 +227,8 @@ def recompute(
         new_values = [scope.get_current_value(v) for v in updated]
         return out_arrays, out_masks, new_values, losses
 
-    out_arrays, out_masks, new_values, losses = jax.checkpoint(region)(
+    checkpointed = _offloading(region) if offload else jax.checkpoint(region)
+    out_arrays, out_masks, new_values, losses = checkpointed(
         arrays, in_masks, values
     )
     for variable, value in zip(info["updated"], new_values, strict=True):
@@ -206,4 +245,4 @@ def recompute(
     return keras.tree.pack_sequence_as(info["structure"], flat_out)
 
 
-__all__ = ["recompute", "region_variables"]
+__all__ = ["OFFLOADED_NAME", "recompute", "region_variables"]

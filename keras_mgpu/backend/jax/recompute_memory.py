@@ -30,9 +30,11 @@ def saved_residuals(function: Callable, *args: Any) -> list[dict]:
         *args: its arguments.
 
     Returns:
-        One dict per distinct residual: `shape`, `dtype`, `bytes` and
-        `argument` (True when the residual is one of `args` itself, a
-        weight or the input, which the caller holds anyway).
+        One dict per distinct residual: `shape`, `dtype`, `bytes`,
+        `memory` (`"device"`, or `"host"` for a residual kept in host
+        memory: `apply_recompute(..., offload=True)`) and `argument` (True
+        when the residual is one of `args` itself, a weight or the input,
+        which the caller holds anyway).
     """
     leaves = jax.tree_util.tree_leaves(args)
 
@@ -64,21 +66,34 @@ def saved_residuals(function: Callable, *args: Any) -> list[dict]:
                 "shape": tuple(aval.shape),
                 "dtype": str(aval.dtype),
                 "bytes": size * np.dtype(aval.dtype).itemsize,
+                "memory": memory_of(aval),
                 "argument": id(var) in inputs,
             }
         )
     return found
 
 
+def memory_of(aval: Any) -> str:
+    """`"host"` for a value JAX places in host memory (`pinned_host` or
+    `unpinned_host`, the `<host>` of a jaxpr), else `"device"`."""
+    space = getattr(aval, "memory_space", None)
+    return "host" if "host" in str(space).lower() else "device"
+
+
 def residual_bytes(
-    function: Callable, *args: Any, include_arguments: bool = False
+    function: Callable,
+    *args: Any,
+    include_arguments: bool = False,
+    memory: str | None = None,
 ) -> int:
     """Bytes of the residuals `function` saves for its backward pass (the
-    activations), without the arguments unless `include_arguments`."""
+    activations), without the arguments unless `include_arguments`; only
+    those kept in `memory` (`"device"` or `"host"`) if given."""
     return sum(
         r["bytes"]
         for r in saved_residuals(function, *args)
-        if include_arguments or not r["argument"]
+        if (include_arguments or not r["argument"])
+        and memory in (None, r["memory"])
     )
 
 
@@ -102,8 +117,11 @@ def checkpoint_count(function: Callable, *args: Any) -> int:
 
 
 def _bytes(var: Any) -> int:
+    """Device bytes of `var` (a value kept in host memory takes none)."""
     aval = getattr(var, "aval", None)
     if aval is None or not hasattr(aval, "shape"):
+        return 0
+    if memory_of(aval) == "host":
         return 0
     try:
         itemsize = np.dtype(aval.dtype).itemsize
@@ -163,7 +181,8 @@ def backward_peak_bytes(function: Callable, *args: Any) -> int:
     all of `args`, its equations run in order: the activations the forward
     keeps, plus what the backward pass holds at its fullest (a
     checkpointed region's recomputed activations included). The arguments
-    and the gradients returned are not counted. A static reading of the
+    and the gradients returned are not counted, nor values kept in host
+    memory (offloaded activations). A static reading of the
     program JAX hands to XLA; XLA may reorder and fuse, so it is an
     estimate of a device's peak, which it tracks on a GPU.
 
@@ -211,7 +230,11 @@ def _model_args(model: Any, x: Any) -> tuple:
 
 
 def model_residual_bytes(
-    model: Any, x: Any, y: Any, loss: Callable | None = None
+    model: Any,
+    x: Any,
+    y: Any,
+    loss: Callable | None = None,
+    memory: str | None = None,
 ) -> int:
     """Bytes of the activations a training step of `model` keeps for its
     backward pass: the residuals of the loss as a function of the model's
@@ -223,16 +246,70 @@ def model_residual_bytes(
         x: a batch of inputs.
         y: its targets.
         loss: `loss(y, y_pred) -> scalar` (default: mean squared error).
+        memory: count only the residuals kept in `"device"` or `"host"`
+            memory (default: all).
     """
 
-    return residual_bytes(_step_of(model, y, loss), *_model_args(model, x))
+    return residual_bytes(
+        _step_of(model, y, loss), *_model_args(model, x), memory=memory
+    )
+
+
+def _offloaded(jaxpr: Any) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put":
+            total += sum(
+                _bytes_of(v.aval)
+                for v in eqn.outvars
+                if memory_of(v.aval) == "host"
+            )
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            total += _offloaded(getattr(sub, "jaxpr", sub))
+    return total
+
+
+def _bytes_of(aval: Any) -> int:
+    return (
+        int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    )
+
+
+def train_step_offloaded_bytes(model: Any, x: Any, y: Any = None) -> int:
+    """Bytes the model's own `train_step` (the one `fit` jits, under the
+    `keras.distribution` in force) moves to host memory per step: the
+    activations `apply_recompute(..., offload=True)` keeps there, read
+    from the step's program (each `device_put` to a host memory space),
+    global over the mesh. 0 without offload.
+
+    The model must be compiled and its optimizer built; `x` and `y` are
+    the global batch (arrays, or anything with `shape` and `dtype`).
+    """
+    from keras_mgpu.backend.jax.compiled_memory import (
+        abstract_input,
+        abstract_state,
+    )
+
+    distribution = keras.distribution.distribution()
+    state = abstract_state(model)
+    data = tuple(
+        None
+        if part is None
+        else keras.tree.map_structure(
+            lambda array: abstract_input(array, distribution), part
+        )
+        for part in (x, y, None)
+    )
+    return _offloaded(jax.make_jaxpr(model.train_step)(state, data).jaxpr)
 
 
 __all__ = [
     "checkpoint_count",
+    "memory_of",
     "backward_peak_bytes",
     "model_backward_peak_bytes",
     "model_residual_bytes",
     "residual_bytes",
+    "train_step_offloaded_bytes",
     "saved_residuals",
 ]
