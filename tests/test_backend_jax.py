@@ -81,6 +81,12 @@ keras_mgpu.sharding.check_layout_map(
     ),
 )
 used += ["plan_layout_map", "check_layout_map"]
+with keras.distribution.DataParallel(devices=devices).scope():
+    zero = keras_mgpu.apply_recompute(build(), offload=True)
+    zero.compile(keras.optimizers.Adam(), "mse")
+    keras_mgpu.sharding.shard_optimizer_state(zero)
+    zero.fit(x, y, batch_size=8, verbose=0)
+used += ["shard_optimizer_state", "offload"]
 probe = build()
 probe.compile(
     keras_mgpu.GradientAccumulationOptimizer(

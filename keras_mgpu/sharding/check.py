@@ -68,6 +68,11 @@ class LayoutReport:
             variables any one device holds now (read from the arrays'
             shards; None when the variables are not laid out on the mesh's
             devices).
+        measured_optimizer_bytes_per_device: the most bytes of the
+            optimizer's state any one device holds now, read from its
+            variables' shards (a built `optimizer` whose variables live on
+            the mesh; None otherwise): below `optimizer_bytes_per_device`
+            once `shard_optimizer_state` split it over the data axis.
         activations: `{layer output path: axes}` derived from the kernels'
             layouts (a column-split Dense/EinsumDense output is split along
             the model axis on its feature dimension; a kernel dimension
@@ -90,6 +95,7 @@ class LayoutReport:
     optimizer_multiplier: float | None = None
     optimizer_bytes_per_device: int | None = None
     measured_param_bytes_per_device: int | None = None
+    measured_optimizer_bytes_per_device: int | None = None
     activations: dict[str, tuple] = field(default_factory=dict)
     planner: Any = None
 
@@ -126,6 +132,9 @@ class LayoutReport:
             "measured_param_bytes_per_device": (
                 self.measured_param_bytes_per_device
             ),
+            "measured_optimizer_bytes_per_device": (
+                self.measured_optimizer_bytes_per_device
+            ),
             "activations": {
                 k: [a for a in v] for k, v in self.activations.items()
             },
@@ -149,6 +158,11 @@ class LayoutReport:
             lines.append(
                 f"  optimizer state ({self.optimizer_multiplier:g}x): "
                 f"{_mib(self.optimizer_bytes_per_device)} per device"
+            )
+        if self.measured_optimizer_bytes_per_device is not None:
+            lines.append(
+                "  optimizer state measured on the devices: "
+                f"{_mib(self.measured_optimizer_bytes_per_device)} per device"
             )
         width = max(len(r.path) for r in self.variables)
         lines.append(
@@ -525,6 +539,11 @@ def check_layout_map(
         optimizer_bytes_per_device=optimizer_bytes,
         measured_param_bytes_per_device=_measured(
             [info.variable for info in infos], mesh
+        ),
+        measured_optimizer_bytes_per_device=(
+            _measured(list(optimizer.variables), mesh)
+            if getattr(optimizer, "built", False)
+            else None
         ),
         activations=_activations(infos, rows, sizes, _batch_axis(mesh, notes)),
         planner=notes,

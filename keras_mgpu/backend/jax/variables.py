@@ -35,3 +35,33 @@ def place_like(variable: Any, reference: Any) -> None:
         )
     variable._layout = layout
     variable._direct_assign(variable.value)
+
+
+def relayout(variable: Any, axes: tuple, mesh: Any) -> None:
+    """Lay `variable` out anew: `axes` (one mesh axis name or None per
+    dimension) on `mesh` (a `keras.distribution.DeviceMesh`); its value is
+    moved to the new shards (`jax.device_put`, across processes too), and
+    every later assignment (a checkpoint's, `BackupAndRestore`'s) lands
+    there as well (Keras 3.15: `Variable._layout`, applied in
+    `_direct_assign`).
+    """
+    import keras
+
+    variable._layout = keras.distribution.TensorLayout(tuple(axes), mesh)
+    variable._direct_assign(variable.value)
+
+
+def layout_axes(variable: Any) -> tuple:
+    """The mesh axis (or None) each dimension of `variable` is split
+    along: its Keras layout's axes, else its value's sharding, else none."""
+    import keras
+
+    layout = getattr(variable, "_layout", None)
+    if isinstance(layout, keras.distribution.TensorLayout):
+        return tuple(layout.axes)
+    spec = getattr(getattr(variable.value, "sharding", None), "spec", None)
+    rank = len(variable.shape)
+    if spec is None:
+        return (None,) * rank
+    axes = list(spec) + [None] * (rank - len(spec))
+    return tuple(axes[:rank])
