@@ -34,6 +34,7 @@ _EXPORTS = {
     "num_replicas_in_sync": "keras_mgpu.distribute",
     "placement_report": "keras_mgpu.placement",
     "plan_batch": "keras_mgpu.batch_size",
+    "plan_memory": "keras_mgpu.batch_size",
     "recomputed_layers": "keras_mgpu.layers",
     "scaled_learning_rate": "keras_mgpu.schedules",
     "strip_placement": "keras_mgpu.placement",
@@ -75,6 +76,7 @@ if TYPE_CHECKING:  # what the lazy loading resolves to, for type checkers
         configure_batch,  # noqa: F401
         find_batch_size,  # noqa: F401
         plan_batch,  # noqa: F401
+        plan_memory,  # noqa: F401
     )
     from keras_mgpu.distribute import (
         global_batch_size,  # noqa: F401
