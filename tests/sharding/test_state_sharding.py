@@ -14,6 +14,8 @@ import keras_mgpu
 from keras_mgpu.backend import BackendNotSupportedError
 from keras_mgpu.sharding import (
     check_layout_map,
+    copy_into_shards,
+    on_host,
     plan_layout_map,
     shard_optimizer_state,
 )
@@ -180,6 +182,8 @@ def test_tensorflow_refuses_naming_what_to_use():
     for call in (
         lambda: shard_optimizer_state(model),
         lambda: plan_layout_map(model, None),
+        lambda: on_host(mlp),
+        lambda: copy_into_shards(model, model),
     ):
         with pytest.raises(BackendNotSupportedError, match="apply_placement"):
             call()

@@ -65,3 +65,71 @@ def layout_axes(variable: Any) -> tuple:
         return (None,) * rank
     axes = list(spec) + [None] * (rank - len(spec))
     return tuple(axes[:rank])
+
+
+def put_into_shards(
+    variable: Any, host_value: Any, on_shard: Any = None
+) -> None:
+    """Assign `host_value` (a NumPy array, or anything `np.asarray`
+    reads, in host memory) to `variable` where its value lies: each device
+    receives only its own slice (`jax.make_array_from_callback`, across
+    processes too: each process makes its addressable shards), so no
+    device ever holds the whole array (Keras's `assign` of a NumPy value
+    first makes it one array on the default device, then splits it).
+
+    `on_shard(index)` is called before each shard is made (measurements).
+    """
+    import jax
+    import numpy as np
+
+    value = np.asarray(host_value)
+    sharding = variable.value.sharding
+    dtype = variable.value.dtype
+
+    def shard(index):
+        if on_shard is not None:
+            on_shard(index)
+        return np.asarray(value[index], dtype=dtype)
+
+    variable.assign(
+        jax.make_array_from_callback(tuple(variable.shape), sharding, shard)
+    )
+
+
+def largest_live_piece(exclude_ids: set) -> int:
+    """The largest single shard (bytes on one device) of any live JAX array
+    whose id is not in `exclude_ids`."""
+    import jax
+
+    return max(
+        (
+            int(shard.data.nbytes)
+            for array in jax.live_arrays()
+            if id(array) not in exclude_ids
+            for shard in array.addressable_shards
+        ),
+        default=0,
+    )
+
+
+def live_array_ids() -> set:
+    """The ids of the JAX arrays alive now."""
+    import jax
+
+    return {id(array) for array in jax.live_arrays()}
+
+
+def live_bytes_per_device(exclude: Any = ()) -> dict:
+    """Bytes of every live JAX array's shards per device (`jax.live_arrays`),
+    leaving out the arrays in `exclude` (by identity)."""
+    import jax
+
+    skip = {id(a) for a in exclude}
+    per_device: dict = {}
+    for array in jax.live_arrays():
+        if id(array) in skip:
+            continue
+        for shard in array.addressable_shards:
+            name = str(shard.device)
+            per_device[name] = per_device.get(name, 0) + int(shard.data.nbytes)
+    return per_device
