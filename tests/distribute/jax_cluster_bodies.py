@@ -197,6 +197,7 @@ def run_all():
         out["iterations"] = int(model.optimizer.iterations)
 
     out.update(model_parallel_fit())
+    out.update(sharded_state_fit())
 
     return out
 
@@ -276,4 +277,59 @@ def model_parallel_fit():
                 lambda: model.save_weights(os.path.join(folder, "m.weights.h5"))
             ),
         }
+    return out
+
+
+def sharded_state_optimizer():
+    import keras
+
+    from keras_mgpu import GradientAccumulationOptimizer
+
+    return GradientAccumulationOptimizer(keras.optimizers.Adam(0.01), 2)
+
+
+def sharded_state_fit():
+    """`DataParallel` over both processes' 4 devices, the optimizer state
+    (Adam's moments, the accumulators) split along the batch axis across
+    the processes, recompute with offload: weights gathered on every
+    process, the state's layout and bytes per device."""
+    import jax
+    import keras
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    import keras_mgpu
+    from keras_mgpu.distribute import shard_across_processes
+    from keras_mgpu.sharding import shard_optimizer_state
+
+    x, y = model_parallel_data()
+    distribution = keras.distribution.DataParallel(
+        devices=jax.devices(), auto_shard_dataset=False
+    )
+    out = {}
+    with distribution.scope():
+        model = mlp_for_layouts()
+        keras_mgpu.apply_recompute(model, offload=True)
+        model.compile(sharded_state_optimizer(), "mse")
+        report = shard_optimizer_state(model, min_shard_bytes=0)
+        model.fit(
+            shard_across_processes(x, y, batch_size=BATCH, shuffle=False),
+            epochs=EPOCHS,
+            verbose=0,
+        )
+        out["zero_sharded"] = sorted(report.sharded)
+        out["zero_bytes"] = (
+            report.bytes_per_device_before,
+            report.bytes_per_device_after,
+        )
+        kernel = [
+            v
+            for v in model.optimizer.variables
+            if v.path.endswith("fc2_kernel_accumulator")
+        ][0]
+        out["zero_accumulator_spec"] = str(kernel.value.sharding.spec)
+        out["zero_weights"] = [
+            np.asarray(multihost_utils.process_allgather(v.value, tiled=True))
+            for v in model.weights
+        ]
     return out

@@ -218,6 +218,37 @@ def test_model_parallel_across_processes_equals_one_process(cluster):
     _assert_weights_equal(cluster[1]["mp_weights"], cluster[0]["mp_weights"], 0)
 
 
+def test_sharded_state_and_offload_across_processes_equal_one_process(
+    cluster,
+):
+    """`shard_optimizer_state` over a data axis spanning both processes,
+    with accumulation (K=2) and recompute with offload: each device holds
+    a quarter of the state, and `fit` ends at one process's weights."""
+
+    for out in cluster:
+        assert "batch" in out["zero_accumulator_spec"]
+        before, after = out["zero_bytes"]
+        assert after < 0.4 * before
+        assert len(out["zero_sharded"]) >= 6  # kernels' m, v, accumulators
+    x, y = bodies.model_parallel_data()
+    reference = bodies.mlp_for_layouts()
+    reference.compile(bodies.sharded_state_optimizer(), "mse")
+    reference.fit(
+        x,
+        y,
+        batch_size=bodies.BATCH,
+        shuffle=False,
+        epochs=bodies.EPOCHS,
+        verbose=0,
+    )
+    _assert_weights_equal(
+        cluster[0]["zero_weights"], reference.get_weights(), 1e-5
+    )
+    _assert_weights_equal(
+        cluster[1]["zero_weights"], cluster[0]["zero_weights"], 0
+    )
+
+
 @pytest.mark.keras_limit
 @pytest.mark.parametrize("reader", ["get_weights", "save", "save_weights"])
 def test_keras_cannot_read_weights_split_across_processes(cluster, reader):
