@@ -115,11 +115,50 @@ class GradientAccumulationOptimizer(
     it is computed, before any optimizer sees it, so a micro-step that is
     its own compiled call (every `fit` step; measured: one combined
     all-reduce per step under `DataParallel`) costs one reduction, `K` per
-    update, as without accumulation. To reduce once per several
-    micro-batches, sum their gradients inside one compiled call (a
-    `jax.lax.scan` over micro-batches: XLA then reduces once, measured)
-    and hand the wrapper that call's mean as one micro-step.
+    update, as without accumulation, with the default `reduction="auto"`.
+    To reduce once per update in `fit`, pass `reduction="per_update"`
+    (below); in a custom loop, sum the micro-batches' gradients inside one
+    compiled call (a `jax.lax.scan`: XLA then reduces once, measured) and
+    hand the wrapper that call's mean as one micro-step.
     `compression` is TensorFlow only and refused at construction on JAX.
+
+    **`reduction="per_update"` (JAX).** The gradients cross devices once
+    per window instead of once per micro-step. Each accumulator gets a
+    leading axis of one row per device on the data axis, sharded over it
+    (`(R, *shape)`: each device holds one row, the memory of a replicated
+    accumulator). When `fit` builds the optimizer (or
+    `keras.models.load_model` restores it), the model's train step is
+    replaced, on that model instance, by one that takes each device's
+    gradient of its own shard of the micro-batch (a `jax.shard_map` over
+    the data axis, no cross-device sum) and adds it to that device's row;
+    at the window's end the mean over rows and micro-steps is taken once
+    (one all-reduce of the gradients' size) and handed to the inner
+    optimizer as with "auto": clipping of the global mean, EMA, schedules,
+    the static `loss_scale_factor` and skipped non-finite windows are
+    unchanged, and the result equals the large batch to float rounding.
+    What still crosses devices every micro-step: the loss's and metrics'
+    sums (scalars) and the new values of float non-trainable variables the
+    step changes (`BatchNormalization` moving statistics, averaged over
+    devices; each device normalises its shard with its own statistics, as
+    under `tf.distribute`). Random layers draw per device (the device
+    index is folded into their seed). The global micro-batch must split
+    evenly over the devices. Rules:
+    - refused at construction (ValueError) under a distribution other
+      than `DataParallel` (a `ModelParallel` may shard weights), and when
+      the optimizer is built if a variable is sharded;
+    - refused when `fit` builds the optimizer (ValueError) if the model's
+      class overrides `train_step`, or if `compile` wrapped the optimizer
+      in a `LossScaleOptimizer` (`mixed_float16`: its dynamic scale is out
+      of the per-device step's reach): use "auto" there;
+    - an optimizer built by hand (`optimizer.build(...)` before `fit`)
+      leaves Keras's step in place: its already reduced gradients are
+      copied into every row, the updates stay exact, and a warning says
+      that each micro-step then reduces;
+    - saved accumulators hold one row per device: restore onto as many
+      devices on the data axis;
+    - TensorFlow (Keras 3): accepted and changes nothing, since
+      `tf.distribute` already reduces once per update there; the tf_keras
+      flavour takes no `reduction` argument (TypeError).
 
     **EMA.** `use_ema=True` on the inner optimizer averages the weights
     once per update, in the inner's `apply`. The wrapper reads `use_ema`,
@@ -188,6 +227,12 @@ class GradientAccumulationOptimizer(
             state (PowerSGD residuals and factors) is optimizer variables.
             See the compression guide. TensorFlow only (refused on JAX,
             where XLA runs the step's reductions).
+        reduction: "auto" (default) or "per_update": how often gradients
+            cross devices on JAX under `keras.distribution.DataParallel`.
+            "auto" keeps Keras's train step (one all-reduce per
+            micro-step); "per_update" takes per-device gradients and
+            all-reduces once per window (see above). TensorFlow reduces
+            once per update with either.
         name: Optional name; defaults to a name derived from the class.
 
     Example:
@@ -218,6 +263,23 @@ class GradientAccumulationOptimizer(
         optimizer = keras_mgpu.GradientAccumulationOptimizer(inner, 4)
         model.compile(optimizer=optimizer, loss="mse")
     ```
+
+    One all-reduce per update on JAX (`fit` as usual):
+
+    ```python
+    import keras
+    import numpy as np
+    import keras_mgpu
+
+    with keras.distribution.DataParallel().scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        optimizer = keras_mgpu.GradientAccumulationOptimizer(
+            keras.optimizers.Adam(1e-3), 4, reduction="per_update"
+        )
+        model.compile(optimizer=optimizer, loss="mse")
+        x = np.zeros((64, 4), "float32")
+        model.fit(x, x[:, :1], batch_size=8, verbose=0)
+    ```
     """
 
     _INNER_ONLY_ARGUMENTS = _INNER_ONLY_ARGUMENTS
@@ -229,7 +291,7 @@ class GradientAccumulationOptimizer(
 
     def __init__(
         self,
-        inner_optimizer: Any,
+        inner_optimizer: keras.optimizers.Optimizer,
         accumulation_steps: int,
         *,
         name: str | None = None,
