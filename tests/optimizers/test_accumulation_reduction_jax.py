@@ -72,16 +72,27 @@ def _large_batch(name: str) -> tuple:
 
 def _per_update(name="adam", x=X, y=Y, reduction="per_update", **compile_kw):
     """A model trained (one epoch, unshuffled) under DataParallel with
-    accumulation, and its distribution."""
+    accumulation, and its distribution; the epoch's logs on the model's
+    `logs` attribute."""
     distribution = _data_parallel()
     with distribution.scope():
         model = _model()
         optimizer = GradientAccumulationOptimizer(
             INNER[name](), STEPS, reduction=reduction
         )
-        model.compile(optimizer=optimizer, loss="mse", **compile_kw)
-        model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+        model.compile(
+            optimizer=optimizer, loss="mse", metrics=["mae"], **compile_kw
+        )
+        history = model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    model.logs = {k: v[-1] for k, v in history.history.items()}
     return model, distribution
+
+
+@functools.cache
+def _logs_of_keras_step(name: str) -> dict:
+    """The epoch's loss and metric with Keras's own step ("auto"): the same
+    weights at every micro-step, so the same logs."""
+    return _per_update(name, reduction="auto")[0].logs
 
 
 # ----------------------------------------------------------------------
@@ -100,6 +111,11 @@ def test_fit_equals_the_large_batch(name, steps_per_execution):
     assert "batch" in str(accumulator.value.sharding.spec)
     expected = _large_batch(name)
     assert max_abs_diff(model.get_weights(), expected) < TOLERANCE
+    # Loss and metrics summed over devices, as Keras's step logs them.
+    logs = _logs_of_keras_step(name)
+    assert model.logs.keys() == logs.keys()
+    for key, value in logs.items():
+        np.testing.assert_allclose(model.logs[key], value, rtol=1e-5)
     assert max_abs_diff(expected, _model().get_weights()) > 1e-2  # it moved
 
 
@@ -180,8 +196,8 @@ def test_batch_statistics_and_random_layers():
             [
                 keras.Input((6,)),
                 keras.layers.Dense(8, activation="tanh"),
-                keras.layers.Dropout(0.5),
                 keras.layers.BatchNormalization(),
+                keras.layers.Dropout(0.5),
                 keras.layers.Dense(4),
             ]
         )
@@ -200,6 +216,9 @@ def test_batch_statistics_and_random_layers():
         v for v in model.non_trainable_variables if "seed_generator" in v.path
     )
     assert int(np.asarray(seed.value)[1]) == STEPS  # one draw per step
+    # Every device holds the same state (the index folded in is undone).
+    copies = {tuple(np.asarray(s.data)) for s in seed.value.addressable_shards}
+    assert len(copies) == 1
 
     # Each device's shard drops different units (the masks, read from the
     # per-device gradient of the first layer's bias, differ).
@@ -216,10 +235,15 @@ def test_batch_statistics_and_random_layers():
     )
     with distribution.scope():
         _, (_, _, optimizer_values, _) = step(state, (X[:MICRO], Y[:MICRO]))
-    index = [id(v) for v in model.optimizer.variables].index(
-        id(model.optimizer.accumulators[1])
+    # BatchNormalization's gamma, before the dropout: a unit dropped for
+    # every sample of a device's shard has exactly zero gradient there.
+    gamma = [v.path for v in model.trainable_variables].index(
+        model.layers[1].gamma.path
     )
-    rows = np.asarray(optimizer_values[index])  # (4, 8): first bias, per device
+    index = [id(v) for v in model.optimizer.variables].index(
+        id(model.optimizer.accumulators[gamma])
+    )
+    rows = np.asarray(optimizer_values[index])  # (4, 8): one row per device
     dropped = rows == 0.0
     assert dropped.any()
     assert len({tuple(r) for r in dropped}) > 1
