@@ -166,6 +166,12 @@ def per_device_train_step(model: Any, state: tuple, data: Any) -> tuple:
     import keras
     from keras.src.trainers.data_adapters import data_adapter_utils
 
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    if not getattr(model.optimizer, "_per_device_rows", None):
+        # The model was compiled again with another optimizer since: it
+        # takes Keras's step.
+        return JAXTrainer.train_step(model, state, data)
     trainable, non_trainable, optimizer_values, metrics_values = state
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
     mesh, axis, _ = data_axis()
