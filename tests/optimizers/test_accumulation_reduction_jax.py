@@ -119,6 +119,47 @@ def test_fit_equals_the_large_batch(name, steps_per_execution):
     assert max_abs_diff(expected, _model().get_weights()) > 1e-2  # it moved
 
 
+def test_the_inner_optimizer_sees_the_global_mean():
+    """Clipping (of the global mean), EMA, the static loss scale factor
+    and a skipped non-finite window behave as with one large batch: the
+    window holding a NaN sample (on one device only) is dropped whole."""
+
+    def inner(**settings):
+        return keras.optimizers.SGD(_schedule(), momentum=0.9, **settings)
+
+    settings = dict(
+        # The large batches' gradient norms are 0.76-0.81: the first update
+        # is not clipped (where an unscaled gradient would show), the
+        # others are.
+        global_clipnorm=0.78,
+        use_ema=True,
+        ema_momentum=0.5,
+        loss_scale_factor=8.0,
+    )
+    x, y = X.copy(), Y.copy()
+    x[LARGE + 5] = np.nan  # the second window, one device's shard
+    kept = np.r_[0:LARGE, 2 * LARGE : len(X)]
+
+    def plain(**settings):
+        model = _model()
+        model.compile(optimizer=inner(**settings), loss="mse")
+        model.fit(x[kept], y[kept], batch_size=LARGE, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    with _data_parallel().scope():
+        model = _model()
+        optimizer = GradientAccumulationOptimizer(
+            inner(**settings), STEPS, reduction="per_update"
+        )
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    assert int(optimizer.skipped_updates) == 1
+    assert int(optimizer.iterations) == len(X) // LARGE - 1
+    expected = plain(**settings)
+    assert max_abs_diff(model.get_weights(), expected) < TOLERANCE
+    assert max_abs_diff(expected, plain()) > 1e-3  # the settings mattered
+
+
 # ----------------------------------------------------------------------
 # The compiled step's collectives
 # ----------------------------------------------------------------------
