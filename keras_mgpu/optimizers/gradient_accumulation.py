@@ -115,11 +115,50 @@ class GradientAccumulationOptimizer(
     it is computed, before any optimizer sees it, so a micro-step that is
     its own compiled call (every `fit` step; measured: one combined
     all-reduce per step under `DataParallel`) costs one reduction, `K` per
-    update, as without accumulation. To reduce once per several
-    micro-batches, sum their gradients inside one compiled call (a
-    `jax.lax.scan` over micro-batches: XLA then reduces once, measured)
-    and hand the wrapper that call's mean as one micro-step.
+    update, as without accumulation, with the default `reduction="auto"`.
+    To reduce once per update in `fit`, pass `reduction="per_update"`
+    (below); in a custom loop, sum the micro-batches' gradients inside one
+    compiled call (a `jax.lax.scan`: XLA then reduces once, measured) and
+    hand the wrapper that call's mean as one micro-step.
     `compression` is TensorFlow only and refused at construction on JAX.
+
+    **`reduction="per_update"` (JAX).** The gradients cross devices once
+    per window instead of once per micro-step. Each accumulator gets a
+    leading axis of one row per device on the data axis, sharded over it
+    (`(R, *shape)`: each device holds one row, the memory of a replicated
+    accumulator). When `fit` builds the optimizer (or
+    `keras.models.load_model` restores it), the model's train step is
+    replaced, on that model instance, by one that takes each device's
+    gradient of its own shard of the micro-batch (a `jax.shard_map` over
+    the data axis, no cross-device sum) and adds it to that device's row;
+    at the window's end the mean over rows and micro-steps is taken once
+    (one all-reduce of the gradients' size) and handed to the inner
+    optimizer as with "auto": clipping of the global mean, EMA, schedules,
+    the static `loss_scale_factor` and skipped non-finite windows are
+    unchanged, and the result equals the large batch to float rounding.
+    What still crosses devices every micro-step: the loss's and metrics'
+    sums (scalars) and the new values of float non-trainable variables the
+    step changes (`BatchNormalization` moving statistics, averaged over
+    devices; each device normalises its shard with its own statistics, as
+    under `tf.distribute`). Random layers draw per device (the device
+    index is folded into their seed). The global micro-batch must split
+    evenly over the devices. Rules:
+    - refused at construction (ValueError) under a distribution other
+      than `DataParallel` (a `ModelParallel` may shard weights), and when
+      the optimizer is built if a variable is sharded;
+    - refused when `fit` builds the optimizer (ValueError) if the model's
+      class overrides `train_step`, or if `compile` wrapped the optimizer
+      in a `LossScaleOptimizer` (`mixed_float16`: its dynamic scale is out
+      of the per-device step's reach): use "auto" there;
+    - an optimizer built by hand (`optimizer.build(...)` before `fit`)
+      leaves Keras's step in place: its already reduced gradients are
+      copied into every row, the updates stay exact, and a warning says
+      that each micro-step then reduces;
+    - saved accumulators hold one row per device: restore onto as many
+      devices on the data axis;
+    - TensorFlow (Keras 3): accepted and changes nothing, since
+      `tf.distribute` already reduces once per update there; the tf_keras
+      flavour takes no `reduction` argument (TypeError).
 
     **EMA.** `use_ema=True` on the inner optimizer averages the weights
     once per update, in the inner's `apply`. The wrapper reads `use_ema`,
@@ -188,6 +227,12 @@ class GradientAccumulationOptimizer(
             state (PowerSGD residuals and factors) is optimizer variables.
             See the compression guide. TensorFlow only (refused on JAX,
             where XLA runs the step's reductions).
+        reduction: "auto" (default) or "per_update": how often gradients
+            cross devices on JAX under `keras.distribution.DataParallel`.
+            "auto" keeps Keras's train step (one all-reduce per
+            micro-step); "per_update" takes per-device gradients and
+            all-reduces once per window (see above). TensorFlow reduces
+            once per update with either.
         name: Optional name; defaults to a name derived from the class.
 
     Example:
@@ -218,12 +263,62 @@ class GradientAccumulationOptimizer(
         optimizer = keras_mgpu.GradientAccumulationOptimizer(inner, 4)
         model.compile(optimizer=optimizer, loss="mse")
     ```
+
+    One all-reduce per update on JAX (`fit` as usual):
+
+    ```python
+    import keras
+    import numpy as np
+    import keras_mgpu
+
+    with keras.distribution.DataParallel().scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        optimizer = keras_mgpu.GradientAccumulationOptimizer(
+            keras.optimizers.Adam(1e-3), 4, reduction="per_update"
+        )
+        model.compile(optimizer=optimizer, loss="mse")
+        x = np.zeros((64, 4), "float32")
+        model.fit(x, x[:, :1], batch_size=8, verbose=0)
+    ```
     """
 
     _INNER_ONLY_ARGUMENTS = _INNER_ONLY_ARGUMENTS
 
-    # The constructor is `AccumulationProtocol.__init__`; these are its
-    # Keras 3 hooks.
+    # With `reduction="per_update"` on JAX, set at build: the rows (devices
+    # on the data axis) of each per-device accumulator.
+    _per_device_rows = None
+    _warned_reduced = False
+
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        accumulation_steps: int,
+        *,
+        name: str | None = None,
+        momentum_correction: bool = False,
+        compression: Any = None,
+        reduction: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        reduction = _check_reduction(reduction)
+        super().__init__(
+            inner_optimizer,
+            accumulation_steps,
+            name=name,
+            momentum_correction=momentum_correction,
+            compression=compression,
+            **kwargs,
+        )
+        self.reduction = reduction
+
+    @property
+    def _per_device_accumulation(self) -> bool:
+        """Whether gradients are accumulated per device and reduced once
+        per update (`reduction="per_update"` on JAX)."""
+        return self.reduction == "per_update" and not TF_RUNS
+
+    # The rest of the constructor is `AccumulationProtocol.__init__`; these
+    # are its Keras 3 hooks.
     def _drop_arguments(self, kwargs: dict) -> None:
         require_backend("GradientAccumulationOptimizer")
 
@@ -379,12 +474,48 @@ class GradientAccumulationOptimizer(
         `ModelParallel`). int32 counters: JAX without x64 has no int64.
         """
         self._add_counters("int32")
+        self._compression_states = [() for _ in var_list]
+        self._accumulators_are_shared = False
+        if self._per_device_accumulation:
+            self._build_per_device(var_list)
+            return
         self._accumulators = [
             self.add_variable_from_reference(variable, name="accumulator")
             for variable in var_list
         ]
-        self._compression_states = [() for _ in var_list]
-        self._accumulators_are_shared = False
+
+    def _build_per_device(self, var_list: list) -> None:
+        """`reduction="per_update"`: one accumulator row per device on the
+        data axis (`(R, *shape)`, the rows sharded over that axis: each
+        device holds its own, as much memory as a replicated accumulator),
+        and the per-device train step installed on the model being built
+        (by `fit`, or by loading a saved model)."""
+        from keras_mgpu.backend.jax import reduction as reduction_lib
+
+        reason = reduction_lib.check_distribution() or (
+            reduction_lib.check_replicated(var_list)
+        )
+        if reason:
+            raise ValueError(
+                f"GradientAccumulationOptimizer(reduction='per_update') "
+                f"cannot run here: {reason}. Use reduction='auto'."
+            )
+        _, _, rows = reduction_lib.data_axis()
+        self._per_device_rows = rows
+        self._accumulators = [
+            self.add_variable(
+                shape=(rows, *variable.shape),
+                dtype=variable.dtype,
+                layout=reduction_lib.per_device_accumulator_layout(
+                    None, len(variable.shape) + 1
+                ),
+                name=self._slot_prefix(variable) + "_accumulator",
+            )
+            for variable in var_list
+        ]
+        model = _model_building(var_list)
+        if model is not None:
+            reduction_lib.install(model)
 
     def _add_accumulator(self, reference: Any) -> Any:
         """One replica-local accumulator shaped like `reference`.
@@ -534,6 +665,23 @@ class GradientAccumulationOptimizer(
         )
         if not grads:
             raise ValueError("No gradients provided for any variable.")
+        if self._per_device_rows and not self._warned_reduced:
+            rows = [
+                len(g.shape) == len(v.shape)
+                for g, v in zip(grads, trainable_variables)
+            ]
+            if all(rows) and self._per_device_rows > 1:
+                self._warned_reduced = True
+                warnings.warn(
+                    "GradientAccumulationOptimizer(reduction='per_update') "
+                    "received gradients already reduced over devices (the "
+                    "model's train step is Keras's: the optimizer was built "
+                    "outside `fit`, e.g. by `optimizer.build(...)`). The "
+                    "updates stay exact, with one reduction per micro-step. "
+                    "Let `fit` (or `keras.models.load_model`) build the "
+                    "optimizer to reduce once per update.",
+                    stacklevel=3,
+                )
         with keras.name_scope(self.name, caller=self):
             apply_accumulation(
                 self,
@@ -713,6 +861,7 @@ class GradientAccumulationOptimizer(
             "accumulation_steps": self.accumulation_steps,
             "momentum_correction": self.momentum_correction,
             "compression": compression_lib.serialize(self.compression),
+            "reduction": self.reduction,
         }
 
     @classmethod
@@ -724,3 +873,48 @@ class GradientAccumulationOptimizer(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
+
+
+_REDUCTIONS = ("auto", "per_update")
+
+
+def _check_reduction(reduction: Any) -> str:
+    """Validate `reduction` at construction (and, on JAX, the distribution
+    in force for "per_update")."""
+    if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
+        raise ValueError(
+            "Argument `reduction` must be one of "
+            f"{', '.join(repr(r) for r in _REDUCTIONS)}. Received: "
+            f"reduction={reduction!r}"
+        )
+    if reduction == "per_update" and not TF_RUNS:
+        from keras_mgpu.backend.jax.reduction import check_distribution
+
+        reason = check_distribution()
+        if reason:
+            raise ValueError(
+                "Argument `reduction='per_update'` cannot apply: "
+                f"{reason}. Use reduction='auto' (one reduction per "
+                "micro-step)."
+            )
+    return reduction
+
+
+def _model_building(variables: list) -> Any:
+    """The Keras model on the call stack (a method of it: `fit`'s
+    `_symbolic_build`, `compile_from_config` when loading) that owns
+    `variables`, or None (an optimizer built by hand)."""
+    import sys
+
+    wanted = {id(v) for v in variables}
+    frame = sys._getframe(1)
+    for _ in range(40):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, keras.Model) and any(
+            id(v) in wanted for v in candidate.trainable_variables
+        ):
+            return candidate
+        frame = frame.f_back
+    return None

@@ -112,3 +112,17 @@ def test_keras_3_15_dispatches_each_micro_step(jitted_calls):
     micro_steps = UPDATES * ACCUMULATION
     train_steps = [f for f in jitted_calls if f.__name__ == "train_step"]
     assert len(train_steps) == micro_steps
+
+
+@pytest.mark.backends("tensorflow")
+def test_per_update_reduction_is_accepted_on_tensorflow():
+    """`reduction="per_update"` (JAX's once-per-window reduction) is what
+    tf.distribute already does: accepted, kept in the config; a value
+    outside the two is refused at construction on either backend."""
+    optimizer = GradientAccumulationOptimizer(
+        _inner(), ACCUMULATION, reduction="per_update"
+    )
+    assert optimizer.get_config()["reduction"] == "per_update"
+    assert not optimizer._per_device_accumulation
+    with pytest.raises(ValueError, match="reduction='once'"):
+        GradientAccumulationOptimizer(_inner(), 2, reduction="once")

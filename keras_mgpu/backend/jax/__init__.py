@@ -8,6 +8,9 @@ imports TensorFlow.
 - `accumulation`: the gradient-accumulation step behind
   `GradientAccumulationOptimizer` (one `keras.ops.cond` per call, the inner
   optimizer's `stateless_apply` in the update branch).
+- `reduction`: the per-device train step behind
+  `GradientAccumulationOptimizer(reduction="per_update")` (gradients of each
+  device's shard, reduced once per accumulation window).
 - `train_function`: a train function JAX traces afresh (its trace cache
   would hand back an earlier trace of an equal `model.train_step`).
 - `recompute`: the recompute engine (`jax.checkpoint`) behind `RecomputeGrad`

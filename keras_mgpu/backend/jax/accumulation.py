@@ -27,6 +27,12 @@ One micro-step:
 Under a distribution the gradients a step hands the optimizer are global
 values (the jitted step is one program over the mesh), so the mean here is
 already the mean over the `K·R` micro-batches, and clipping sees it whole.
+
+With `reduction="per_update"` the accumulators have a leading axis of one
+row per device (sharded over the data axis); the per-device train step of
+`keras_mgpu/backend/jax/reduction.py` hands gradients in that form, and
+the update sums the rows (the window's one all-reduce) before dividing by
+`K·R`: the inner optimizer then sees the same global mean.
 """
 
 from __future__ import annotations
@@ -65,6 +71,11 @@ def apply_accumulation(
         _unscaled(ops.cast(g, a.dtype), scale, is_max)
         for g, a, is_max in zip(grads, accumulators, maximum)
     ]
+    # With `reduction="per_update"` each accumulator has a leading axis of
+    # `devices` rows (one per device, sharded over the data axis).
+    devices = optimizer._per_device_rows
+    if devices:
+        grads = [_per_device(g, a) for g, a in zip(grads, accumulators)]
     accumulated = [a.value for a in accumulators]
     model_variables = list(inner._trainable_variables)
     model_values = [v.value for v in model_variables]
@@ -90,9 +101,18 @@ def apply_accumulation(
         return model_values, held, totals(), _zero_int(), previous
 
     def update():
+        window = totals()
+        if devices:
+            # The update's one cross-device reduction: the rows of each
+            # device are summed (a window's maximum: the maximum over them).
+            window = [
+                ops.max(t, axis=0) if is_max else ops.sum(t, axis=0)
+                for t, is_max in zip(window, maximum)
+            ]
+        divisor = steps * (devices or 1)
         means = [
-            t if is_max else ops.divide(t, steps)
-            for t, is_max in zip(totals(), maximum)
+            t if is_max else ops.divide(t, divisor)
+            for t, is_max in zip(window, maximum)
         ]
         # The inner optimizer is built on the same variables, in the same
         # order; a variable without a gradient gets None, as it would
@@ -202,6 +222,20 @@ def _correct_momentum(inner: Any, inner_values: list, previous: Any) -> tuple:
         index = positions[id(velocity)]
         values[index] = values[index] * ops.cast(ratio, values[index].dtype)
     return values, rate
+
+
+def _per_device(grad: Any, accumulator: Any) -> Any:
+    """A gradient in the per-device accumulators' form `(R, *shape)`.
+
+    One taken per device (the per-update train step) already has it: each
+    row is a device's gradient of its shard's mean loss, so the rows' mean
+    is the global batch's gradient. One of the global batch (Keras's own
+    step, a custom loop, `apply` on concrete arrays) is therefore copied
+    into every row (the rows' mean is then itself; no communication).
+    """
+    if len(grad.shape) == len(accumulator.shape):
+        return grad
+    return ops.broadcast_to(ops.expand_dims(grad, 0), accumulator.shape)
 
 
 def _unscaled(grad: Any, scale: Any, is_max: bool) -> Any:
