@@ -2,11 +2,11 @@
 and the demo end to end.
 
 The demo sets up its devices (2) before TensorFlow or JAX starts, which
-this test process (4 devices) has already done, so it runs in a process of
-its own. On TensorFlow the demo runs of this module run once per
-session, one after the other, from one module fixture
-(`tests/_shared_process.py`, each `python -m keras_mgpu demo ...` in a
-fresh process); each test reads its run.
+this test process (4 devices) has already done, so it runs in a process
+apart. On TensorFlow the demo runs of this module run once per session,
+one after the other, from one module fixture (`tests/_shared_process.py`:
+each `python -m keras_mgpu demo ...` as `__main__` in one fresh process);
+each test reads its run.
 """
 
 from __future__ import annotations
@@ -337,6 +337,15 @@ def test_report_on_a_folder_and_missing_steps(tmp_path, capsys):
 # The demo runs of the shared TensorFlow process: name, the test that reads
 # it, its options, and the seconds it may take on the loaded 2-core machine.
 DEMOS = {
+    # First: its allocator figures drift with what ran before it.
+    # A budget of 4 MB fits micro-batches of about 128 of the digits CNN
+    # (TensorFlow's CPU allocator, oneDNN on in the demo's process): the
+    # global batch of 512 on 2 replicas needs accumulation.
+    "global_batch_by_memory": (
+        "test_demo_global_batch_by_memory",
+        ["--epochs", "1", "--global-batch", "512", "--memory-budget-mb", "4"],
+        240,
+    ),
     "main": (
         "test_demo_trains_across_two_logical_cpus",
         ["--epochs", str(DEMO_TEST_EPOCHS)],
@@ -354,14 +363,6 @@ DEMOS = {
             "--no-recompute",
         ],
         180,
-    ),
-    # A budget of 4 MB fits micro-batches of about 128 of the digits CNN
-    # (TensorFlow's CPU allocator, oneDNN on in the demo's process): the
-    # global batch of 512 on 2 replicas needs accumulation.
-    "global_batch_by_memory": (
-        "test_demo_global_batch_by_memory",
-        ["--epochs", "1", "--global-batch", "512", "--memory-budget-mb", "4"],
-        240,
     ),
     "model_parallel": (
         "test_demo_model_parallel_splits_the_cnn_across_two_devices",
