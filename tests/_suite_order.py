@@ -35,11 +35,11 @@ import pytest
 # Order only: a stale figure costs a little balance, never a test.
 MODULE_SECONDS = {
     # Keras 3 on TensorFlow (2026-11-28's run, under extra load)
-    "tests/test_examples.py": 300,
+    "tests/test_examples.py": 260,  # one shared process (ci-cuts)
     "tests/batch_size/test_finder.py": 250,
     "tests/distribute/test_fault_matrix.py": 200,
     "tests/optimizers/test_gradient_accumulation.py": 165,
-    "tests/test_cli.py": 150,
+    "tests/test_cli.py": 100,
     "tests/compression/test_optimizer_compression.py": 120,
     "tests/testing/test_plugin.py": 110,
     "tests/optimizers/test_keras_oracles.py": 100,
@@ -67,11 +67,13 @@ MODULE_SECONDS = {
 # differently there; estimated from the helpers' single-module runs of
 # 2026-11-28, scaled to an idle machine).
 MODULE_SECONDS_JAX = {
+    "tests/optimizers/test_accumulation_reduction_jax.py": 45,
+    "tests/sharding/test_state_sharding.py": 35,
+    "tests/layers/test_recompute_jax.py": 70,
     "tests/optimizers/test_gradient_accumulation.py": 120,
     "tests/distribute/test_fault_matrix.py": 100,
     "tests/distribute/test_jax_monitors_jax.py": 60,
     "tests/normalization/test_window_statistics.py": 50,
-    "tests/layers/test_recompute_jax.py": 45,
     "tests/optimizers/test_keras_oracles.py": 40,
     "tests/normalization/test_conversions.py": 40,
     "tests/distribute/test_jax_cluster_example_jax.py": 40,

@@ -250,12 +250,8 @@ def compiled_train_step(
     (`.as_text()`, `.cost_analysis()`, `.memory_analysis()`).
     """
     import jax
-    import keras
 
-    from keras_mgpu.backend.jax.compiled_memory import (
-        abstract_input,
-        abstract_state,
-    )
+    from keras_mgpu.backend.jax.compiled_memory import abstract_step_arguments
 
     if getattr(model, "optimizer", None) is None or not model.optimizer.built:
         raise ValueError(
@@ -264,15 +260,6 @@ def compiled_train_step(
             "`model.optimizer.build(model.trainable_variables)`). "
             f"Received: model={getattr(model, 'name', model)!r}"
         )
-    distribution = keras.distribution.distribution()
-    state = abstract_state(model)
-    data = tuple(
-        None
-        if part is None
-        else keras.tree.map_structure(
-            lambda array: abstract_input(array, distribution), part
-        )
-        for part in (x, y, sample_weight)
-    )
+    state, data = abstract_step_arguments(model, x, y, sample_weight)
     step = jax.jit(model.train_step, donate_argnums=0)
     return step.lower(state, data).compile()

@@ -187,6 +187,27 @@ def abstract_input(array: Any, distribution: Any) -> Any:
     return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=sharding)
 
 
+def abstract_step_arguments(
+    model: Any, x: Any, y: Any = None, sample_weight: Any = None
+) -> tuple:
+    """`(state, data)` as the model's JAX `train_step` takes them, as
+    shapes, dtypes and shardings under the `keras.distribution` in force:
+    the variables' own layouts, the batch (`x`, `y`, `sample_weight`, the
+    global batch, nests allowed) laid out as the distribution splits it."""
+    import keras
+
+    distribution = keras.distribution.distribution()
+    data = tuple(
+        None
+        if part is None
+        else keras.tree.map_structure(
+            lambda array: abstract_input(array, distribution), part
+        )
+        for part in (x, y, sample_weight)
+    )
+    return abstract_state(model), data
+
+
 def _tree_map(function: Any, structure: Any) -> Any:
     import keras
 

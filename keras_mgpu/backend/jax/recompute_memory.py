@@ -285,21 +285,9 @@ def train_step_offloaded_bytes(model: Any, x: Any, y: Any = None) -> int:
     The model must be compiled and its optimizer built; `x` and `y` are
     the global batch (arrays, or anything with `shape` and `dtype`).
     """
-    from keras_mgpu.backend.jax.compiled_memory import (
-        abstract_input,
-        abstract_state,
-    )
+    from keras_mgpu.backend.jax.compiled_memory import abstract_step_arguments
 
-    distribution = keras.distribution.distribution()
-    state = abstract_state(model)
-    data = tuple(
-        None
-        if part is None
-        else keras.tree.map_structure(
-            lambda array: abstract_input(array, distribution), part
-        )
-        for part in (x, y, None)
-    )
+    state, data = abstract_step_arguments(model, x, y)
     return _offloaded(jax.make_jaxpr(model.train_step)(state, data).jaxpr)
 
 

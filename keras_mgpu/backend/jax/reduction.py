@@ -164,9 +164,8 @@ def per_device_train_step(model: Any, state: tuple, data: Any) -> tuple:
     """
     import jax
     import keras
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
     from keras.src.backend.jax.trainer import JAXTrainer
+    from keras.src.trainers.data_adapters import data_adapter_utils
 
     if not getattr(model.optimizer, "_per_device_rows", None):
         # The model was compiled again with another optimizer since: it
