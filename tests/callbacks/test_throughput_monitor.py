@@ -453,3 +453,21 @@ def test_only_the_part_of_a_compilation_inside_the_window_is_left_out(
     events = [(11.0, 3.0, True), (11.8, 0.5, True), (11.9, 0.2, False)]
     monkeypatch.setattr(flops.COMPILE_LOG, "events", events)
     assert monitor._compile_within(10.0, 12.0) == pytest.approx(1.5)
+    # Two compilations at once (threads) count once: their union.
+    events = [(11.5, 1.0, True), (11.6, 1.0, True)]
+    monkeypatch.setattr(flops.COMPILE_LOG, "events", events)
+    assert monitor._compile_within(10.0, 12.0) == pytest.approx(1.1)
+
+
+def test_the_window_spans_its_stamps_in_any_order():
+    """Keras's asynchronous dispatch runs the batch-end hooks on a thread
+    pool: their clocks may come out of step order (measured: 5, 6, 7, 3, 2,
+    4, 1, 0 within 0.1 ms), and the window from the first step's stamp to
+    the last's went negative (every rate NaN, seen under load)."""
+    monitor = ThroughputMonitor(window_size=4)
+    monitor._backend_name = "tensorflow"  # no compile log to read
+    monitor._adapter = None
+    monitor._ends = {5: 9.0, 6: 9.5, 7: 9.6, 3: 10.0, 2: 10.1, 4: 10.2}
+    steps, seconds = monitor._window()
+    assert steps == 4  # steps 3..7
+    assert seconds == pytest.approx(1.2)  # 9.0 .. 10.2
