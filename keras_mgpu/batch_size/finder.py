@@ -118,7 +118,10 @@ def find_batch_size(
     the budget (`MIN_SAFETY_MARGIN`): what varies from step to step are
     mostly batch-sized buffers, not weights and optimizer state. Tested on
     CPU with a model whose fixed part is ~70% of the budget: the answer's
-    steps stay within the budget in a fresh process, and the answer is
+    steps stay within the budget in a fresh process up to TensorFlow's CPU
+    allocator noise between processes (once 4.3 MB over a 50 MB budget:
+    pass a larger `safety_margin` where a CPU budget is hard), and the
+    answer is
     0.45-0.79 of the largest batch that fits there (the search's process
     reads the allocator 2-5 MB high, depending on its history). Pass a larger
     `safety_margin` for long runs on a busy allocator. On CPU, TensorFlow
