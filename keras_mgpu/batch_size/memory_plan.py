@@ -227,19 +227,14 @@ def _take(data: Any, count: int) -> Any:
 
 def _per_device_bytes(variables: Sequence[Any]) -> int:
     """Bytes of `variables` the fullest device holds (their shards), or
-    their whole size when they are not laid out over several devices."""
-    per_device: dict[str, int] = {}
-    total = 0
-    for variable in variables:
-        value = variable.value
-        total += (
-            int(np.prod(variable.shape, dtype=np.int64))
-            * np.dtype(variable.dtype).itemsize
-        )
-        for shard in getattr(value, "addressable_shards", []) or []:
-            name = str(shard.device)
-            per_device[name] = per_device.get(name, 0) + int(shard.data.nbytes)
-    return max(per_device.values(), default=total)
+    their whole size when they are not laid out on devices."""
+    from keras_mgpu.backend.jax.variables import bytes_per_device
+
+    total = sum(
+        int(np.prod(v.shape, dtype=np.int64)) * np.dtype(v.dtype).itemsize
+        for v in variables
+    )
+    return max(bytes_per_device(variables).values(), default=total)
 
 
 def _loss_of(model: Any) -> Any:
@@ -250,15 +245,6 @@ def _loss_of(model: Any) -> Any:
         function = keras.losses.get(loss)
         return lambda y_true, y_pred: keras.ops.mean(function(y_true, y_pred))
     return None  # recompute_memory's default (mean squared error)
-
-
-def _data_parallel(distribution: Any) -> int:
-    if distribution is None:
-        return 1
-    axis = getattr(distribution, "batch_dim_name", None)
-    mesh = distribution.device_mesh
-    sizes = dict(zip(mesh.axis_names, mesh.shape))
-    return int(sizes.get(axis, 1))
 
 
 def _peak(model: Any, peak_flops: float | None) -> tuple[float, bool]:
@@ -397,6 +383,7 @@ def plan_memory(
     import keras
 
     from keras_mgpu.backend import require_backend
+    from keras_mgpu.backend.jax.distribution import data_parallel_size
     from keras_mgpu.layers import (
         apply_recompute,
         recomputed_layers,
@@ -465,8 +452,7 @@ def plan_memory(
     check_number(host_bandwidth_gbps, "host_bandwidth_gbps", minimum=0.0)
     check_number(dispatch_ms, "dispatch_ms", minimum=0.0)
 
-    distribution = keras.distribution.distribution()
-    n = _data_parallel(distribution)
+    n = data_parallel_size()
     steps = sorted(
         k
         for k in set(steps)

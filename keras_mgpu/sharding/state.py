@@ -71,12 +71,10 @@ class StateShardingReport:
 
 
 def _bytes_per_device(variables: list) -> int:
-    per_device: dict[str, int] = {}
-    for variable in variables:
-        for shard in getattr(variable.value, "addressable_shards", []):
-            name = str(shard.device)
-            per_device[name] = per_device.get(name, 0) + int(shard.data.nbytes)
-    return max(per_device.values(), default=0)
+    """What the fullest device holds of `variables`."""
+    from keras_mgpu.backend.jax.variables import bytes_per_device
+
+    return max(bytes_per_device(variables).values(), default=0)
 
 
 def _nbytes(variable: Any) -> int:

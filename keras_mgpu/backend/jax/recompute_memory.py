@@ -116,6 +116,16 @@ def checkpoint_count(function: Callable, *args: Any) -> int:
     return len(_regions(jax.make_jaxpr(function)(*args).jaxpr))
 
 
+def _bytes_of(aval: Any) -> int:
+    """Bytes of a value of `aval`, wherever it lives (0 for float0
+    cotangents and tokens: nothing stored)."""
+    try:
+        itemsize = np.dtype(aval.dtype).itemsize
+    except TypeError:
+        return 0
+    return int(np.prod(aval.shape, dtype=np.int64)) * itemsize
+
+
 def _bytes(var: Any) -> int:
     """Device bytes of `var` (a value kept in host memory takes none)."""
     aval = getattr(var, "aval", None)
@@ -123,11 +133,7 @@ def _bytes(var: Any) -> int:
         return 0
     if memory_of(aval) == "host":
         return 0
-    try:
-        itemsize = np.dtype(aval.dtype).itemsize
-    except TypeError:  # float0 cotangents, tokens: nothing stored.
-        return 0
-    return int(np.prod(aval.shape, dtype=np.int64)) * itemsize
+    return _bytes_of(aval)
 
 
 def _is_var(var: Any) -> bool:
@@ -267,12 +273,6 @@ def _offloaded(jaxpr: Any) -> int:
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             total += _offloaded(getattr(sub, "jaxpr", sub))
     return total
-
-
-def _bytes_of(aval: Any) -> int:
-    return (
-        int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
-    )
 
 
 def train_step_offloaded_bytes(model: Any, x: Any, y: Any = None) -> int:

@@ -119,6 +119,17 @@ def live_array_ids() -> set:
     return {id(array) for array in jax.live_arrays()}
 
 
+def bytes_per_device(variables: Any) -> dict:
+    """Bytes of `variables`' values each device holds (their addressable
+    shards), by device name."""
+    per_device: dict = {}
+    for variable in variables:
+        for shard in getattr(variable.value, "addressable_shards", ()) or ():
+            name = str(shard.device)
+            per_device[name] = per_device.get(name, 0) + int(shard.data.nbytes)
+    return per_device
+
+
 def live_bytes_per_device(exclude: Any = ()) -> dict:
     """Bytes of every live JAX array's shards per device (`jax.live_arrays`),
     leaving out the arrays in `exclude` (by identity)."""
