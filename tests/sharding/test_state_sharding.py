@@ -61,6 +61,21 @@ def _fit_weights(distribution, optimizer_fn, shard: bool):
     return model, report, [np.array(w) for w in model.get_weights()]
 
 
+def _split_trains_as_whole(distribution, optimizer_fn):
+    """The state split trains like one device (to 1e-5: Adam's division by
+    sqrt(v) lifts the all-reduce's rounding to ~4e-6 on a few weights) and
+    like the same distribution with the state whole (to 1e-6); the split
+    model and its report."""
+    keras_mgpu.testing.assert_trains_like(
+        _compiled(optimizer_fn), _data(), distribution, steps=4, atol=1e-5
+    )
+    _, _, whole = _fit_weights(distribution, optimizer_fn, shard=False)
+    model, report, split = _fit_weights(distribution, optimizer_fn, shard=True)
+    for want, got in zip(whole, split, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    return model, report
+
+
 @pytest.mark.backends("jax")
 def test_adam_state_split_over_data_parallel_trains_like_unsharded():
     distribution = keras.distribution.DataParallel()
@@ -68,16 +83,7 @@ def test_adam_state_split_over_data_parallel_trains_like_unsharded():
     def adam():
         return keras.optimizers.Adam(0.01)
 
-    # Against one device: Adam's division by sqrt(v) lifts the all-reduce's
-    # rounding to ~4e-6 on a few weights; against the same distribution
-    # with the state whole, the numbers are the same.
-    keras_mgpu.testing.assert_trains_like(
-        _compiled(adam), _data(), distribution, steps=4, atol=1e-5
-    )
-    _, _, whole = _fit_weights(distribution, adam, shard=False)
-    model, report, split = _fit_weights(distribution, adam, shard=True)
-    for want, got in zip(whole, split, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    model, report = _split_trains_as_whole(distribution, adam)
     # Every moment of a kernel or bias of 4 KiB or more is split along the
     # batch axis; the step counter and learning rate are not.
     assert report.axis == "batch" and report.axis_size == 4
@@ -115,13 +121,7 @@ def test_model_parallel_split_kept_and_accumulators_and_ema_split_too():
             keras.optimizers.Adam(0.01, use_ema=True), 2
         )
 
-    keras_mgpu.testing.assert_trains_like(
-        _compiled(optimizer), _data(), distribution, steps=4, atol=1e-5
-    )
-    _, _, whole = _fit_weights(distribution, optimizer, shard=False)
-    model, _, split = _fit_weights(distribution, optimizer, shard=True)
-    for want, got in zip(whole, split, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    model, _ = _split_trains_as_whole(distribution, optimizer)
     specs = _state_specs(model)
     kernel = [p for p in specs if p.endswith("up_0_kernel_accumulator")]
     assert kernel and set(specs[kernel[0]]) == {"batch", "model"}
