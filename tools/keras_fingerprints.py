@@ -1,9 +1,11 @@
-"""Fingerprints of the Keras functions multi-worker fit replaces or relies on.
+"""Fingerprints of the private Keras functions keras_mgpu replaces or relies on.
 
-Prints, for every name in `KNOWN_FINGERPRINTS`
-(keras_mgpu/distribute/_keras_trainer_patch.py), each fingerprint found and
-the Keras releases that have it. It imports neither Keras nor keras_mgpu
-(it reads the sources and loads keras_mgpu/distribute/_code_fingerprint.py
+Prints, for every name in the two guards' `KNOWN_FINGERPRINTS`
+(keras_mgpu/distribute/_keras_trainer_patch.py: multi-worker fit, `TARGETS`;
+keras_mgpu/backend/jax/reduction.py: the JAX per-device step,
+`JAX_STEP_TARGETS`), each fingerprint found and the Keras releases that
+have it. It imports neither Keras nor keras_mgpu
+(it reads the sources and loads keras_mgpu/_code_fingerprint.py
 by path), so any Python 3.10+ runs it, with or without TensorFlow, and
 every Python must print the same table.
 
@@ -61,14 +63,35 @@ TARGETS = {
 }
 
 
+# The names of the JAX per-device step's `KNOWN_FINGERPRINTS`
+# (keras_mgpu/backend/jax/reduction.py) and their files.
+JAX_STEP_TARGETS = {
+    **{
+        f"JAXTrainer.{name}": "backend/jax/trainer.py"
+        for name in (
+            "train_step",
+            "compute_loss_and_updates",
+            "_update_metrics_variables",
+            "make_train_function",
+        )
+    },
+    "unpack_x_y_sample_weight": "trainers/data_adapters/data_adapter_utils.py",
+}
+ALL_TARGETS = {**TARGETS, **JAX_STEP_TARGETS}
+
+
 # Classes renamed between releases: the name `KNOWN_FINGERPRINTS` uses, and
-# the names tried in order (`TensorFlowTrainer` is `Trainer` from Keras
-# 3.16: keras_mgpu.distribute._keras_trainer_patch.TRAINER_CLASS_NAMES).
-CLASS_NAMES = {"TensorFlowTrainer": ("TensorFlowTrainer", "Trainer")}
+# the names tried in order (each backend's trainer is `Trainer` from Keras
+# 3.16: keras_mgpu.distribute._keras_trainer_patch.TRAINER_CLASS_NAMES,
+# keras_mgpu.backend.jax.reduction.TRAINER_CLASS_NAMES).
+CLASS_NAMES = {
+    "TensorFlowTrainer": ("TensorFlowTrainer", "Trainer"),
+    "JAXTrainer": ("JAXTrainer", "Trainer"),
+}
 
 
 def _load_fingerprint_module():
-    path = _ROOT / "keras_mgpu" / "distribute" / "_code_fingerprint.py"
+    path = _ROOT / "keras_mgpu" / "_code_fingerprint.py"
     spec = importlib.util.spec_from_file_location("_code_fingerprint", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -106,7 +129,7 @@ def definition_source(source: str, dotted: str) -> str:
 def _read_release(location: str) -> tuple[str, dict[str, str]]:
     """(Keras version, {path under keras/src: source}) of a wheel or of a
     folder holding keras/src."""
-    files = sorted(set(TARGETS.values())) + ["version.py"]
+    files = sorted(set(ALL_TARGETS.values())) + ["version.py"]
     path = Path(location)
     if path.is_dir():
         sources = {
@@ -128,12 +151,13 @@ def _read_release(location: str) -> tuple[str, dict[str, str]]:
 
 
 def fingerprints(location: str) -> tuple[str, dict[str, str]]:
-    """(Keras version, {name: fingerprint}) of one wheel or folder; a
-    function that is gone reads "missing (...)"."""
+    """(Keras version, {name: fingerprint}) of one wheel or folder, for
+    every name of `ALL_TARGETS`; a function that is gone reads
+    "missing (...)"."""
     fingerprint = _load_fingerprint_module().source_fingerprint
     version, sources = _read_release(location)
     found = {}
-    for name, file in TARGETS.items():
+    for name, file in ALL_TARGETS.items():
         try:
             found[name] = fingerprint(definition_source(sources[file], name))
         except LookupError as exc:
@@ -152,7 +176,7 @@ def main(locations: list[str]) -> int:
     measured = dict(fingerprints(location) for location in locations)
     versions = sorted(measured, key=_release_key)
     print(f"Keras {', '.join(versions)}")
-    for name in TARGETS:
+    for name in ALL_TARGETS:
         print(name)
         releases: dict[str, list[str]] = {}
         for version in versions:

@@ -27,7 +27,7 @@ import threading
 import warnings
 from typing import Any
 
-from keras_mgpu.distribute._code_fingerprint import source_fingerprint
+from keras_mgpu._code_fingerprint import code_differences, function_fingerprint
 from keras_mgpu.distribute._keras_data_order import (
     _agree_on_py_dataset_order,
     _check_dataset_shuffles,
@@ -216,32 +216,14 @@ def _relied_on() -> dict[str, Any]:
 def _fingerprint(function: Any) -> str:
     """A hash of the function's code, blind to docstring, comments and
     layout (its AST without line numbers), the same on every Python."""
-    return source_fingerprint(inspect.getsource(inspect.unwrap(function)))
+    return function_fingerprint(function)
 
 
 def structure_differences() -> list[str]:
     """What differs between the installed Keras and the code this patch was
     read from: one line per function, every one of them (a missing class
     names each function looked up on it), empty when everything matches."""
-    differences = []
-    for name, lookup in _lookups().items():
-        try:
-            function = lookup()
-        except (ImportError, AttributeError, KeyError) as exc:
-            differences.append(f"{name} is gone ({exc!r})")
-            continue
-        try:
-            found = _fingerprint(function)
-        except (OSError, TypeError, SyntaxError) as exc:
-            differences.append(f"{name}: source unreadable ({exc})")
-            continue
-        known = KNOWN_FINGERPRINTS[name]
-        if found not in known:
-            releases = ", ".join(sorted(set(known.values())))
-            differences.append(
-                f"{name} differs from Keras {releases} (fingerprint "
-                f"{found}, known {', '.join(known)})"
-            )
+    differences = code_differences(_lookups(), KNOWN_FINGERPRINTS)
     try:
         trainer = _trainer_class()
     except (ImportError, AttributeError) as exc:

@@ -232,7 +232,10 @@ class GradientAccumulationOptimizer(
             "auto" keeps Keras's train step (one all-reduce per
             micro-step); "per_update" takes per-device gradients and
             all-reduces once per window (see above). TensorFlow reduces
-            once per update with either.
+            once per update with either. "per_update" follows private code
+            of Keras's JAX trainer and is refused (ValueError naming the
+            functions) on a Keras whose code differs from the releases it
+            was tested with (3.13-3.15).
         name: Optional name; defaults to a name derived from the class.
 
     Example:
@@ -888,9 +891,12 @@ def _check_reduction(reduction: Any) -> str:
             f"reduction={reduction!r}"
         )
     if reduction == "per_update" and not TF_RUNS:
-        from keras_mgpu.backend.jax.reduction import check_distribution
+        from keras_mgpu.backend.jax.reduction import (
+            check_distribution,
+            check_keras_code,
+        )
 
-        reason = check_distribution()
+        reason = check_keras_code() or check_distribution()
         if reason:
             raise ValueError(
                 "Argument `reduction='per_update'` cannot apply: "

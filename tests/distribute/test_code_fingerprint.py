@@ -1,5 +1,5 @@
 """The fingerprint behind the Keras-code guard of multi-worker fit
-(`keras_mgpu/distribute/_code_fingerprint.py`) is the same on every Python,
+(`keras_mgpu/_code_fingerprint.py`) is the same on every Python,
 and the measuring script (`tools/keras_fingerprints.py`) agrees with the
 guard on the installed Keras."""
 
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from keras_mgpu.distribute import _code_fingerprint, _keras_trainer_patch
+from keras_mgpu import _code_fingerprint
+from keras_mgpu.distribute import _keras_trainer_patch
 
 _ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,7 +80,7 @@ def test_the_fingerprint_is_the_same_on_every_python(minor):
     executable = shutil.which(f"python3.{minor}")
     if executable is None:
         pytest.skip(f"python3.{minor} is not on PATH")
-    path = _ROOT / "keras_mgpu" / "distribute" / "_code_fingerprint.py"
+    path = _ROOT / "keras_mgpu" / "_code_fingerprint.py"
     result = subprocess.run(
         [executable, "-I", "-c", _PRINT_DUMP, str(path)],
         input=SNIPPET,
@@ -124,11 +125,32 @@ def test_the_measuring_script_agrees_with_the_guard():
         name: _keras_trainer_patch._fingerprint(function)
         for name, function in _keras_trainer_patch._relied_on().items()
     }
-    assert measured == live
+    assert {name: measured[name] for name in live} == live
     assert all(
         live[name] in known
         for name, known in _keras_trainer_patch.KNOWN_FINGERPRINTS.items()
     )
+
+
+def test_the_installed_keras_has_the_code_the_jax_per_device_step_reads():
+    """The JAX per-device step's guard (`reduction="per_update"`) and the
+    script name the same functions, and the installed Keras's code of each
+    is known (read from the sources: no JAX needed). Fails when a Keras
+    release changes that code: read it, then add its fingerprints."""
+    import keras
+
+    from keras_mgpu.backend.jax import reduction
+
+    script = _measuring_script()
+    assert list(script.JAX_STEP_TARGETS) == list(reduction.KNOWN_FINGERPRINTS)
+    installed = Path(keras.__file__).resolve().parent.parent
+    _, measured = script.fingerprints(str(installed))
+    unknown = {
+        name: measured[name]
+        for name, known in reduction.KNOWN_FINGERPRINTS.items()
+        if measured[name] not in known
+    }
+    assert not unknown, unknown
 
 
 def test_the_measuring_script_prints_each_fingerprint_with_its_releases(

@@ -386,6 +386,24 @@ def test_refusals():
         keras.mixed_precision.set_global_policy("float32")
 
 
+def test_refused_where_keras_code_differs(monkeypatch):
+    """The step follows private code of Keras's JAX trainer: on the
+    installed Keras every function matches its fingerprint; where one does
+    not (a Keras the step was not read from), construction refuses, naming
+    it."""
+    assert reduction_lib.check_keras_code() is None
+    name = "JAXTrainer._update_metrics_variables"
+    monkeypatch.setitem(
+        reduction_lib.KNOWN_FINGERPRINTS, name, {"0" * 16: "3.99"}
+    )
+    with pytest.raises(ValueError, match=f"{name} differs from Keras 3.99"):
+        GradientAccumulationOptimizer(
+            keras.optimizers.SGD(), 2, reduction="per_update"
+        )
+    # reduction="auto" does not rely on that code.
+    GradientAccumulationOptimizer(keras.optimizers.SGD(), 2)
+
+
 def test_config_round_trip():
     optimizer = GradientAccumulationOptimizer(
         keras.optimizers.SGD(), 2, reduction="per_update"

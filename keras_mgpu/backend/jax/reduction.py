@@ -21,6 +21,13 @@ moving statistics, averaged over devices; each device normalises its
 shard with its own statistics). Random layers draw on each device with
 the device index folded into their seed (different masks per shard).
 
+The step reads private Keras code (the JAX trainer's `train_step`, whose
+body it follows, `compute_loss_and_updates`, `_update_metrics_variables`,
+`make_train_function`, and `unpack_x_y_sample_weight`): `check_keras_code`
+compares each with the fingerprints of the releases it was read from and
+tested with (`KNOWN_FINGERPRINTS`), and `reduction="per_update"` is refused
+at construction where one differs.
+
 Nothing here imports a feature package; jax is imported where it is used.
 """
 
@@ -34,6 +41,96 @@ _INSTALLED_ATTR = "_keras_mgpu_per_update_step"
 _ATTRIBUTE = "train_step"
 # The name Keras 3.15 gives a `SeedGenerator`'s state variable.
 _SEED_STATE = "seed_generator_state"
+
+# Fingerprints (keras_mgpu/_code_fingerprint.py: the code without docstring,
+# comments or layout) of the Keras code the per-device step relies on, with
+# the releases that have it; measured with tools/keras_fingerprints.py on
+# the wheels of Keras 3.10.0-3.15.1 and keras-nightly 3.16.0.dev2026102704.
+# Only code the step was tested with is listed (3.15.1; 3.13-3.15.0 have
+# the same code): 3.10-3.11's `train_step` and `_update_metrics_variables`
+# and 3.10-3.12's `make_train_function` differ, and the 3.16 nightly's
+# `make_train_function` (its `lax.scan` loop, fingerprint b2766e8f68510af2)
+# is not tested yet. The JAX trainer class is `Trainer` from 3.16.
+NIGHTLY = "3.16.0.dev2026102704"
+TRAINER_CLASS_NAMES = ("JAXTrainer", "Trainer")
+KNOWN_FINGERPRINTS: dict[str, dict[str, str]] = {
+    # Followed: the step returns what it returns, from the same state.
+    "JAXTrainer.train_step": {"488e66565ca4c375": f"3.12-3.15, {NIGHTLY}"},
+    # Called per device: (loss, (unscaled loss, y_pred, non-trainables,
+    # metrics)), with `optimizer_variables` for the loss scale.
+    "JAXTrainer.compute_loss_and_updates": {
+        "d49f6b5684b58c55": f"3.10-3.15, {NIGHTLY}"
+    },
+    # Called per device: the metrics variables' new values.
+    "JAXTrainer._update_metrics_variables": {
+        "d0f569f0eaec432d": f"3.12-3.15, {NIGHTLY}"
+    },
+    # Relied on: its step calls `self.train_step`, read on the instance.
+    "JAXTrainer.make_train_function": {"849cb1f749547018": "3.13-3.15"},
+    "unpack_x_y_sample_weight": {"f19a15bb86fdc1df": f"3.10-3.15, {NIGHTLY}"},
+}
+
+
+def _keras_lookups() -> dict[str, Any]:
+    """For each name of `KNOWN_FINGERPRINTS`, a function without arguments
+    that returns the live Keras function."""
+    import importlib
+
+    def trainer(name: str) -> Any:
+        return lambda: vars(trainer_class())[name]
+
+    def unpack() -> Any:
+        module = importlib.import_module(
+            "keras.src.trainers.data_adapters.data_adapter_utils"
+        )
+        return module.unpack_x_y_sample_weight
+
+    return {
+        **{
+            f"JAXTrainer.{name}": trainer(name)
+            for name in (
+                "train_step",
+                "compute_loss_and_updates",
+                "_update_metrics_variables",
+                "make_train_function",
+            )
+        },
+        "unpack_x_y_sample_weight": unpack,
+    }
+
+
+def trainer_class() -> type:
+    """Keras's JAX trainer class, whichever name it has (raises
+    AttributeError when there is none)."""
+    import importlib
+
+    module = importlib.import_module("keras.src.backend.jax.trainer")
+    for name in TRAINER_CLASS_NAMES:
+        found = vars(module).get(name)
+        if isinstance(found, type):
+            return found
+    raise AttributeError(
+        f"{module.__name__} defines no trainer class (looked for "
+        f"{' or '.join(TRAINER_CLASS_NAMES)})"
+    )
+
+
+def check_keras_code() -> str | None:
+    """Why the per-device step cannot run on the installed Keras (a
+    sentence naming each function whose code differs from the releases it
+    was read from), or None when every one matches."""
+    import keras
+
+    from keras_mgpu._code_fingerprint import code_differences
+
+    differences = code_differences(_keras_lookups(), KNOWN_FINGERPRINTS)
+    if not differences:
+        return None
+    return (
+        f"the per-device step follows private code of Keras's JAX trainer "
+        f"that differs in Keras {keras.version()} from the releases it was "
+        "read from and tested with: " + "; ".join(differences)
+    )
 
 
 def data_axis(distribution: Any = None) -> tuple:
@@ -113,11 +210,9 @@ def install(model: Any) -> None:
     accumulates per device (e.g. `mixed_float16`'s `LossScaleOptimizer`
     around it, whose dynamic scale the per-device step cannot read).
     """
-    from keras.src.backend.jax.trainer import JAXTrainer
-
     if model.__dict__.get(_INSTALLED_ATTR):
         return
-    if type(model).train_step is not JAXTrainer.train_step:
+    if type(model).train_step is not trainer_class().train_step:
         raise ValueError(
             f"Model {model.name!r} overrides `train_step` "
             f"({type(model).__name__}.train_step), which "
@@ -164,13 +259,12 @@ def per_device_train_step(model: Any, state: tuple, data: Any) -> tuple:
     """
     import jax
     import keras
-    from keras.src.backend.jax.trainer import JAXTrainer
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     if not getattr(model.optimizer, "_per_device_rows", None):
         # The model was compiled again with another optimizer since: it
         # takes Keras's step.
-        return JAXTrainer.train_step(model, state, data)
+        return trainer_class().train_step(model, state, data)
     trainable, non_trainable, optimizer_values, metrics_values = state
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
     mesh, axis, _ = data_axis()

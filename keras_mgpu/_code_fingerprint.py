@@ -1,8 +1,10 @@
 """A fingerprint of a function's code that is the same on every Python.
 
-`structure_differences()` compares the Keras code it patches with
-fingerprints measured once (`KNOWN_FINGERPRINTS`), so the fingerprint must
-not depend on the Python that computes it. `ast.dump` does: Python 3.12
+The guards on private Keras code (multi-worker fit's
+`structure_differences()` in `distribute/_keras_trainer_patch.py`, the JAX
+per-device step's in `backend/jax/reduction.py`) compare the Keras code
+they replace or rely on with fingerprints measured once, so the fingerprint
+must not depend on the Python that computes it. `ast.dump` does: Python 3.12
 adds `type_params=[]` to every `def`, and 3.13 leaves out fields that are
 None or empty lists, so a hash of `ast.dump` matched on 3.10 and 3.11 only.
 `portable_dump` writes the AST itself, leaving out every None and empty
@@ -17,7 +19,10 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import inspect
 import textwrap
+from collections.abc import Callable
+from typing import Any
 
 
 def source_fingerprint(source: str) -> str:
@@ -59,3 +64,38 @@ def portable_dump(node: object) -> str:
     if isinstance(node, list):
         return f"[{', '.join(portable_dump(item) for item in node)}]"
     return repr(node)
+
+
+def function_fingerprint(function: Any) -> str:
+    """`source_fingerprint` of a live function's code (unwrapped)."""
+    return source_fingerprint(inspect.getsource(inspect.unwrap(function)))
+
+
+def code_differences(
+    lookups: dict[str, Callable[[], Any]],
+    known: dict[str, dict[str, str]],
+) -> list[str]:
+    """One line per function whose code is not among its known
+    fingerprints: `lookups` maps each name of `known` ({name: {fingerprint:
+    releases}}) to a function without arguments that returns the live
+    function (and raises ImportError, AttributeError or KeyError when it
+    is gone). Empty when everything matches."""
+    differences = []
+    for name, lookup in lookups.items():
+        try:
+            function = lookup()
+        except (ImportError, AttributeError, KeyError) as exc:
+            differences.append(f"{name} is gone ({exc!r})")
+            continue
+        try:
+            found = function_fingerprint(function)
+        except (OSError, TypeError, SyntaxError) as exc:
+            differences.append(f"{name}: source unreadable ({exc})")
+            continue
+        if found not in known[name]:
+            releases = ", ".join(sorted(set(known[name].values())))
+            differences.append(
+                f"{name} differs from Keras {releases} (fingerprint "
+                f"{found}, known {', '.join(known[name])})"
+            )
+    return differences
