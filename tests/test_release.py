@@ -8,6 +8,7 @@ import glob
 import os
 import subprocess
 import sys
+import sysconfig
 import venv
 
 import pytest
@@ -71,20 +72,48 @@ def test_the_wheel_installs_in_a_fresh_venv_and_runs_info(dist, tmp_path):
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = str(env_dir / "bin" / "python")
-    _run([python, "-m", "pip", "install", "-q", wheel, "pytest"], timeout=900)
+    # The wheel's dependencies come from this test environment, listed on
+    # the new environment's path after its own site-packages (a `.pth`
+    # file; the `.pth` files of this environment, among them keras_mgpu's
+    # editable install, are not read from there): pip checks that every
+    # requirement of the wheel is met and installs the wheel alone
+    # (`--no-index`), instead of copying TensorFlow into a new venv (~1 min
+    # of CI). keras_mgpu itself is imported from the wheel's files.
+    paths = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = _run([python, "-c", paths]).strip()
+    here = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    with open(os.path.join(purelib, "_test_environment.pth"), "w") as f:
+        f.write("\n".join(sorted(here)) + "\n")
+    _run(
+        [python, "-m", "pip", "install", "-q", "--no-index", wheel],
+        timeout=900,
+    )
+    location = _run(
+        [python, "-c", "import keras_mgpu; print(keras_mgpu.__file__)"],
+        cwd=tmp_path,
+    )
+    assert location.startswith(purelib), location
     out = _run([str(env_dir / "bin" / "keras-mgpu"), "info"], cwd=tmp_path)
     assert f"keras-mgpu {__version__}" in out
     assert "MultiWorkerMirroredStrategy" in out
     # The pytest plugin is registered, and inactive until asked.
     out = _run([python, "-m", "pytest", "--version"], cwd=tmp_path)
+    # Read from the wheel's own metadata (the first `keras-mgpu` on the
+    # path; this environment's editable install comes after it).
     plugins = _run(
         [
             python,
             "-c",
             (
-                "from importlib.metadata import entry_points;"
-                "print([e.value for e in entry_points(group='pytest11')])"
+                "import importlib.metadata as m, keras_mgpu_pytest;"
+                "d = m.distribution('keras-mgpu');"
+                "print(d.locate_file(''), keras_mgpu_pytest.__file__);"
+                "print([e.value for e in d.entry_points "
+                "if e.group == 'pytest11'])"
             ),
-        ]
+        ],
+        cwd=tmp_path,
     )
-    assert "keras_mgpu_pytest" in plugins
+    where, registered = plugins.strip().splitlines()
+    assert all(path.startswith(purelib) for path in where.split()), where
+    assert registered == "['keras_mgpu_pytest']", registered
