@@ -66,6 +66,19 @@ def portable_dump(node: object) -> str:
     return repr(node)
 
 
+def class_named(module: Any, names: tuple[str, ...], what: str) -> type:
+    """The class `module` defines under the first of `names` it has (a
+    class renamed between Keras releases: the trainers are `Trainer` from
+    3.16); raises AttributeError naming `what` and `names` otherwise."""
+    for name in names:
+        found = vars(module).get(name)
+        if isinstance(found, type):
+            return found
+    raise AttributeError(
+        f"{module.__name__} defines no {what} (looked for {' or '.join(names)})"
+    )
+
+
 def function_fingerprint(function: Any) -> str:
     """`source_fingerprint` of a live function's code (unwrapped)."""
     return source_fingerprint(inspect.getsource(inspect.unwrap(function)))

@@ -27,7 +27,11 @@ import threading
 import warnings
 from typing import Any
 
-from keras_mgpu._code_fingerprint import code_differences, function_fingerprint
+from keras_mgpu._code_fingerprint import (
+    class_named,
+    code_differences,
+    function_fingerprint,
+)
 from keras_mgpu.distribute._keras_data_order import (
     _agree_on_py_dataset_order,
     _check_dataset_shuffles,
@@ -145,14 +149,7 @@ def _trainer_module() -> Any:
 def _trainer_class(module: Any = None) -> type:
     """The TensorFlow backend's trainer class, whichever name it has."""
     module = module if module is not None else _trainer_module()
-    for name in TRAINER_CLASS_NAMES:
-        found = vars(module).get(name)
-        if isinstance(found, type):
-            return found
-    raise AttributeError(
-        f"{module.__name__} defines no trainer class (looked for "
-        f"{' or '.join(TRAINER_CLASS_NAMES)})"
-    )
+    return class_named(module, TRAINER_CLASS_NAMES, "trainer class")
 
 
 def _lookups() -> dict[str, Any]:

@@ -15,7 +15,6 @@ slices of each weight, made on the host.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -44,18 +43,6 @@ class ShardedLoad:
     largest_weight_bytes: int
 
 
-@contextlib.contextmanager
-def _no_distribution():
-    import keras
-
-    previous = keras.distribution.distribution()
-    keras.distribution.set_distribution(None)
-    try:
-        yield
-    finally:
-        keras.distribution.set_distribution(previous)
-
-
 def on_host(build: Callable[[], Any]) -> Any:
     """`build()` with no `keras.distribution` in force and JAX's default
     device the host's CPU: the model (its weights loaded, e.g.
@@ -71,9 +58,11 @@ def on_host(build: Callable[[], Any]) -> Any:
     """
     import jax
 
+    from keras_mgpu.backend.jax.distribution import no_distribution
+
     require_jax("on_host")
     cpu = jax.devices("cpu")[0]
-    with _no_distribution(), jax.default_device(cpu):
+    with no_distribution(), jax.default_device(cpu):
         return build()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 from keras_mgpu.testing.devices import requested_backend
@@ -221,16 +220,10 @@ class NoDistribution:
     device_mesh = None
     batch_dim_name = None
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[None]:
-        import keras
+    def scope(self) -> contextlib.AbstractContextManager[None]:
+        from keras_mgpu.backend.jax.distribution import no_distribution
 
-        original = keras.distribution.distribution()
-        keras.distribution.set_distribution(None)
-        try:
-            yield
-        finally:
-            keras.distribution.set_distribution(original)
+        return no_distribution()
 
     def __repr__(self) -> str:
         return "NoDistribution()"

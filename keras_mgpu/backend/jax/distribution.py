@@ -8,7 +8,23 @@ mesh spans every process's devices after `keras.distribution.initialize()`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
+
+
+@contextlib.contextmanager
+def no_distribution() -> Iterator[None]:
+    """A context with no `keras.distribution` in force (the one in force
+    before is put back on exit, also after an exception)."""
+    import keras
+
+    previous = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(previous)
 
 
 def current_distribution(distribution: Any = None) -> Any:

@@ -104,15 +104,10 @@ def trainer_class() -> type:
     AttributeError when there is none)."""
     import importlib
 
+    from keras_mgpu._code_fingerprint import class_named
+
     module = importlib.import_module("keras.src.backend.jax.trainer")
-    for name in TRAINER_CLASS_NAMES:
-        found = vars(module).get(name)
-        if isinstance(found, type):
-            return found
-    raise AttributeError(
-        f"{module.__name__} defines no trainer class (looked for "
-        f"{' or '.join(TRAINER_CLASS_NAMES)})"
-    )
+    return class_named(module, TRAINER_CLASS_NAMES, "trainer class")
 
 
 def check_keras_code() -> str | None:
