@@ -26,10 +26,12 @@ floors ~3 min with their install, and the `.venv` install. Each run prints
 its slowest modules at its end (where the budget goes; the figures of
 `tests/_suite_order.py` come from there).
 
-After the Keras 3 on TensorFlow job, the tf_keras run and then the oldest
-floors' run (below) go on one pytest process beside the JAX job's two
-(their output is printed when the JAX run ends): each of those runs left
-the cores 8-20% idle alone (starts, tails, installs).
+The runs go one after the other. Running tf_keras and then the oldest
+floors on one process beside the JAX job's two (each of those runs leaves
+the cores 8-20% idle alone) was measured slower (2026-11-29): the JAX run
+took 11m15s instead of 7m18s and tf_keras 8m13s on its process: three
+processes with XLA's and TensorFlow's thread pools on 2 cores did less
+work per second than two.
 
 A third, smaller run checks the oldest TensorFlow and Keras that
 pyproject.toml accepts (its `tensorflow>=` and `keras>=` floors, installed
@@ -125,22 +127,16 @@ def _run(
     extra_env: dict[str, str],
     paths: list[str],
     python: str = sys.executable,
-    workers: str | None = None,
-    output: str | None = None,
 ) -> tuple:
-    """One pytest run; its output goes to this process's stdout, or, with
-    `output` (a file path), to that file (a run beside another)."""
     junit = os.path.join(tempfile.mkdtemp(), f"{label}.xml")
     env = {**os.environ, **extra_env}
-    if workers is None:
-        workers = KERAS3_WORKERS if label == "keras3" else WORKERS
     cmd = [
         python,
         "-m",
         "pytest",
         *paths,
         "-n",
-        workers,
+        KERAS3_WORKERS if label == "keras3" else WORKERS,
         "--dist",
         "loadfile",
         # The longest modules first (tests/_suite_order.py).
@@ -149,27 +145,11 @@ def _run(
         f"--junitxml={junit}",
         *_pytest_arguments(),
     ]
-    lines = [f"== {label}: {' '.join(cmd)}"]
-    if output is None:
-        print(lines[0], flush=True)
-        rc = subprocess.call(cmd, cwd=REPO_ROOT, env=env)
-    else:
-        with open(output, "a") as sink:
-            sink.write(lines[0] + "\n")
-            sink.flush()
-            rc = subprocess.call(
-                cmd, cwd=REPO_ROOT, env=env, stdout=sink, stderr=sink
-            )
-    lines = [f"== {label}: slowest modules (seconds, summed over tests)"]
-    lines += [
-        f"   {seconds:7.1f}  {module}"
-        for seconds, module in slowest_modules(junit)
-    ]
-    if output is None:
-        print("\n".join(lines), flush=True)
-    else:
-        with open(output, "a") as sink:
-            sink.write("\n".join(lines) + "\n")
+    print(f"== {label}: {' '.join(cmd)}", flush=True)
+    rc = subprocess.call(cmd, cwd=REPO_ROOT, env=env)
+    print(f"== {label}: slowest modules (seconds, summed over tests)")
+    for seconds, module in slowest_modules(junit):
+        print(f"   {seconds:7.1f}  {module}")
     return rc, _counts(junit)
 
 
@@ -413,9 +393,22 @@ def main() -> int:
         )
     failed_runs = 0
     total = {"passed": 0, "failed": 0, "skipped": 0}
-
-    def record(rc: int, c: dict[str, int]) -> None:
-        nonlocal failed_runs
+    for label, env, paths in runs:
+        python = sys.executable
+        if label == "oldest":  # in an environment of its own
+            python, message = oldest.result()
+            print(message, flush=True)
+            if python is not None:
+                python, message = _oldest_venv(editable=True)
+                print(message, flush=True)
+        elif label == "nightly":
+            python = _nightly_venv()
+        if label in ("oldest", "nightly"):
+            if python is None:
+                failed_runs += 1
+                total["failed"] += 1
+                continue
+        rc, c = _run(label, env, paths, python)
         # pytest exit 5 means "no tests collected": a failure for us.
         if rc != 0:
             failed_runs += 1
@@ -425,61 +418,6 @@ def main() -> int:
         total["passed"] += c["tests"] - bad - c["skipped"]
         if rc != 0 and bad == 0:
             total["failed"] += 1  # a run that failed without a failed test
-
-    def python_for(label: str) -> str | None:
-        """The interpreter of a run (None where its environment could not
-        be installed: said on stdout)."""
-        if label == "oldest":  # in an environment of its own
-            python, message = oldest.result()
-            print(message, flush=True)
-            if python is not None:
-                # keras_mgpu itself (an editable install, which writes
-                # keras_mgpu.egg-info into the repository): before any run
-                # beside which it would happen.
-                python, message = _oldest_venv(editable=True)
-                print(message, flush=True)
-            return python
-        if label == "nightly":
-            return _nightly_venv()
-        return sys.executable
-
-    def run_one(label, env, paths, python, workers=None, output=None):
-        if python is None:
-            return 1, {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-        return _run(label, env, paths, python, workers, output)
-
-    def run_beside(side_runs: list, output: str) -> list:
-        return [run_one(*run, workers="1", output=output) for run in side_runs]
-
-    # The runs after the Keras 3 one: the JAX job leaves its cores ~8%
-    # idle, tf_keras and the oldest floors 10-20% (starts, tails, the
-    # floors' editable install), so tf_keras then the oldest floors run on
-    # one process beside the JAX job's two (as many as the Keras 3 job),
-    # their output printed when the JAX run ends.
-    beside = [r for r in runs if r[0] in ("tf_keras", "oldest")]
-    if not any(r[0] == "jax" for r in runs) or len(runs) == len(beside):
-        beside = []
-    for label, env, paths in runs:
-        if beside and label in ("tf_keras", "oldest"):
-            continue
-        if beside and label == "jax":
-            side_output = os.path.join(tempfile.mkdtemp(), "beside.log")
-            side_runs = [(*run, python_for(run[0])) for run in beside]
-            print(
-                f"== {', '.join(r[0] for r in beside)}: on one process "
-                "beside the JAX run (output below when it ends)",
-                flush=True,
-            )
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                side = pool.submit(run_beside, side_runs, side_output)
-                record(*run_one(label, env, paths, sys.executable))
-                side_results = side.result()
-            with open(side_output) as f:
-                print(f.read(), end="", flush=True)
-            for rc, c in side_results:
-                record(rc, c)
-            continue
-        record(*run_one(label, env, paths, python_for(label)))
     print(
         f"suite: {total['passed']} passed, {total['failed']} failed, "
         f"{total['skipped']} skipped",
