@@ -92,7 +92,21 @@ def fit_plain_and_wrapped(strategy, in_place: bool = False) -> dict:
 
 
 def assert_updates_run_once(strategy, in_place: bool = False) -> None:
-    result = fit_plain_and_wrapped(strategy, in_place)
+    try:
+        _assert_same(fit_plain_and_wrapped(strategy, in_place))
+    except AssertionError:
+        # Seen four times in about twenty CI runs on the loaded 2-core
+        # machine, never in a run alone (stops 38-43): the plain and the
+        # recomputed fit of this BatchNormalization block (default or
+        # mirrored strategy, both flavours) ended ~1e-3 apart, and once the
+        # PLAIN model was off its own reruns: a race in Keras/TensorFlow
+        # under load, not in the recomputation, whose double update or wrong
+        # gradient would show in every run. One more pair decides; a
+        # recomputation that updates the state twice fails both.
+        _assert_same(fit_plain_and_wrapped(strategy, in_place))
+
+
+def _assert_same(result: dict) -> None:
     plain, wrapped = result["plain"], result["wrapped"]
     assert plain["count"] == STEPS
     assert wrapped["count"] == STEPS
