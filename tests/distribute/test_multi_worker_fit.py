@@ -133,7 +133,8 @@ def test_clear_errors_and_warnings(cluster):
 @pytest.mark.slow
 def test_a_slow_worker_is_flagged_on_every_worker(cluster):
     """Properties that hold under any load: the figures' definitions, the
-    sleep as a lower bound of worker 1's busy time, worker 1 named. (Gaps
+    sleep as a lower bound of worker 1's busy time, the busiest worker
+    named. (Gaps
     between the workers' figures, e.g. "worker 0 waits 500 ms more", were
     timing and failed on a loaded machine.)"""
     from distribute.mw_fit_bodies import STRAGGLER_SLEEP
@@ -156,7 +157,13 @@ def test_a_slow_worker_is_flagged_on_every_worker(cluster):
         assert busy[1] >= 0.99 * sleep_ms
         # Lockstep: worker 0's steps last through worker 1's sleeps.
         assert logs["workers/w0_step_ms"] > 0.75 * sleep_ms
-        assert logs["workers/slowest"] == 1.0
+        # The slowest is the worker with the most busy time: worker 1 (its
+        # sleep) on a quiet machine; on CI's loaded 2 cores worker 0's own
+        # busy time once exceeded it (2026-11-29), so the index is checked
+        # against the figures, not assumed.
+        assert logs["workers/slowest"] == float(
+            max((0, 1), key=busy.__getitem__)
+        )
         assert logs["workers/step_time_ratio"] == pytest.approx(
             busy[1] / busy[0], rel=1e-6
         )
